@@ -1,0 +1,182 @@
+"""Thin, typed wrappers over Slurm's commands (sbatch, scontrol, squeue, scancel).
+
+Each wrapper runs the real command, turns a failure into a :class:`SlurmError`
+carrying Slurm's own message, and marks errors that are worth retrying
+(slurmctld unreachable, socket time-outs) as ``transient``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcelastic.errors import SlurmError
+
+DEFAULT_TIMEOUT_S = 60.0
+
+_TRANSIENT_PATTERNS = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "connection refused",
+    "slurm_persist_conn",
+    "communication connection failure",
+    "resource temporarily unavailable",
+    "slurmctld not responding",
+    "zero bytes were transmitted or received",
+    "timed out",
+)
+
+
+def is_available(command: str = "sbatch") -> bool:
+    """True when the Slurm command ``command`` is on PATH."""
+    return shutil.which(command) is not None
+
+
+def run_slurm(
+    argv: Sequence[str],
+    *,
+    input_text: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    cwd: str | os.PathLike[str] | None = None,
+) -> str:
+    """Run one Slurm command and return its stdout; raise :class:`SlurmError` on failure."""
+    if shutil.which(argv[0]) is None:
+        raise SlurmError(f"'{argv[0]}' was not found on PATH: is Slurm installed on this host?")
+    try:
+        proc = subprocess.run(
+            list(argv),
+            input=input_text,
+            capture_output=True,
+            text=True,
+            env=dict(env) if env is not None else None,
+            timeout=timeout,
+            cwd=cwd,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"'{argv[0]}' did not answer within {timeout:.0f} s", transient=True) from None
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        text = msg[-1] if msg else f"exit code {proc.returncode}"
+        text = re.sub(r"^(sbatch|scontrol|squeue|scancel|srun): error: ", "", text)
+        transient = any(p in text.lower() for p in _TRANSIENT_PATTERNS)
+        raise SlurmError(f"{argv[0]} failed: {text}", transient=transient)
+    return proc.stdout
+
+
+def sbatch(
+    script: str | os.PathLike[str],
+    extra_args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> str:
+    """Submit the batch script file ``script`` with ``sbatch --parsable`` and return the job id."""
+    out = run_slurm(["sbatch", "--parsable", *extra_args, str(script)], env=env, cwd=cwd)
+    first = out.strip().splitlines()[-1] if out.strip() else ""
+    job_id = first.split(";", 1)[0].strip()
+    if not re.fullmatch(r"\d+(_\d+)?", job_id):
+        raise SlurmError(f"sbatch printed no job id (output: {out.strip()!r})")
+    return job_id
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """Parse one ``scontrol show -o`` line (``Key=Value Key=Value ...``) into a dict.
+
+    Values may contain spaces (``Command=``, ``Reason=``); a key starts only where a
+    space is followed by ``Name=``.
+    """
+    fields: dict[str, str] = {}
+    for m in re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s[A-Za-z][A-Za-z0-9_:/]*=|$)", line.strip()):
+        fields[m.group(1)] = m.group(2)
+    return fields
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o <id>`` as a dict (the first record, for arrays the task itself)."""
+    out = run_slurm(["scontrol", "show", "job", "-o", str(job_id)])
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    if not lines:
+        raise SlurmError(f"scontrol knows no job {job_id}")
+    return parse_scontrol_record(lines[0])
+
+
+def requeue(job_id: str) -> None:
+    """``scontrol requeue <id>``: the job keeps its id and becomes pending again."""
+    run_slurm(["scontrol", "requeue", str(job_id)])
+
+
+def exclude_nodes(job_id: str, nodes: Sequence[str]) -> None:
+    """Add ``nodes`` to the job's excluded nodes (keeps those already excluded)."""
+    if not nodes:
+        return
+    import hostlist  # python-hostlist; imported here to keep the CLI start-up lean
+
+    current = show_job(job_id).get("ExcNodeList", "(null)")
+    names = [] if current in ("", "(null)") else hostlist.expand_hostlist(current)
+    for n in nodes:
+        if n not in names:
+            names.append(n)
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={hostlist.collect_hostlist(names)}"])
+
+
+def cancel(job_id: str, *, signal: str | None = None, batch: bool = False) -> None:
+    """``scancel`` the job, or send it ``signal`` (only the batch shell with ``batch``)."""
+    argv = ["scancel"]
+    if signal:
+        argv.append(f"--signal={signal}")
+    if batch:
+        argv.append("--batch")
+    argv.append(str(job_id))
+    run_slurm(argv)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """One row of ``squeue``: the job's state, the reason it is pending and its nodes."""
+
+    job_id: str
+    state: str
+    reason: str
+    nodes: str
+
+
+def query_states(job_ids: Sequence[str]) -> dict[str, JobState]:
+    """States of ``job_ids`` with one ``squeue`` call (finished jobs still known to slurmctld included).
+
+    Jobs that slurmctld no longer knows are simply absent from the result.
+    """
+    if not job_ids:
+        return {}
+    try:
+        out = run_slurm(
+            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"],
+            timeout=30,
+        )
+    except SlurmError as e:
+        if "invalid job id" in str(e).lower():
+            return {}
+        raise
+    states: dict[str, JobState] = {}
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4:
+            states[parts[0]] = JobState(*parts)
+    return states
+
+
+def cluster_name(slurm_conf: str | os.PathLike[str] | None = None) -> str | None:
+    """The cluster's ``ClusterName`` read from slurm.conf (no RPC), or None if not found."""
+    path = Path(slurm_conf or os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"^\s*ClusterName\s*=\s*(\S+)", text, re.MULTILINE | re.IGNORECASE)
+    return m.group(1) if m else None
