@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything hpcelastic's tests and demo need on a fresh Debian machine (as root):
+# Slurm + munge + Open MPI from Debian, then a virtual environment .venv with the package,
+# its extras and the test tools. Torch is pinned by constraints.txt to the CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing Debian packages (${missing[*]}): run this script as root"
+    exit 2
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+log "installing hpcelastic and its extras into .venv (torch pinned by constraints.txt)"
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[all,test]'
+log "ready: $(.venv/bin/python -c 'import torch, hpcelastic; print("hpcelastic", hpcelastic.__version__, "torch", torch.__version__)')"
