@@ -1,0 +1,76 @@
+"""Helpers for tests that run against the real Slurm testbed (no mocks: real squeue/scontrol)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+
+def job_record(job_id: str) -> dict[str, str]:
+    """``scontrol show job -o`` of a job, parsed (empty if slurmctld no longer knows it)."""
+    from hpcelastic.jobs.slurm import parse_scontrol_record
+
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return {}
+    return parse_scontrol_record(proc.stdout.splitlines()[0])
+
+
+def wait_job_state(job_id: str, states: set[str], timeout: float = 180.0) -> dict[str, str]:
+    """Poll ``scontrol show job`` until the job's state is in ``states``; fail with its record otherwise."""
+    deadline = time.monotonic() + timeout
+    rec: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        rec = job_record(job_id)
+        if rec.get("JobState") in states:
+            return rec
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {rec}")
+
+
+def wait_job_finished(job_id: str, timeout: float = 300.0) -> dict[str, str]:
+    """Wait until the job reached a final state and return its record."""
+    return wait_job_state(job_id, FINISHED, timeout)
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's event log as a list."""
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def event_names(run_dir: Path) -> list[str]:
+    """Names of the run's events in order."""
+    return [e["event"] for e in events(run_dir)]
+
+
+def leaked_processes(marker: str) -> list[psutil.Process]:
+    """Processes whose environment carries ``HPCELASTIC_RUN_DIR=<marker>`` (workers, grandchildren, agents)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get("HPCELASTIC_RUN_DIR") == str(marker):
+            found.append(p)
+    return found
+
+
+def wait_no_leaks(marker: str, timeout: float = 30.0) -> list[psutil.Process]:
+    """Wait until no process of the run is left; return the survivors (empty means clean)."""
+    deadline = time.monotonic() + timeout
+    left = leaked_processes(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.25)
+        left = leaked_processes(marker)
+    return left
