@@ -260,7 +260,8 @@ def _check_value(key: Key, value: Any) -> str | None:
         return None if key.nullable else "must not be empty"
     # bool is an int subclass in Python; YAML's `yes` must not pass as a number.
     if isinstance(value, bool) or not isinstance(value, key.type):
-        return f"must be {_type_name(key.type())}, not {_type_name(value)} ({value!r})"
+        hint = " (quote it: YAML reads an unquoted 4:00:00 as a number)" if key.type is str else ""
+        return f"must be {_type_name(key.type())}, not {_type_name(value)} ({value!r}){hint}"
     if key.item is not None:
         items = value.values() if isinstance(value, Mapping) else value
         for item in items:

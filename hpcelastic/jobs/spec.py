@@ -20,6 +20,10 @@ from hpcelastic.sites import ENV_NAME, Resolved, normalize_signal, parse_time
 
 MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# bash refuses to assign these; the run directory variable is hpcelastic's own.
+_RESERVED_ENV = frozenset(
+    {"BASHOPTS", "BASH_VERSINFO", "EUID", "PPID", "SHELLOPTS", "UID", "HPCELASTIC_RUN_DIR"}
+)
 _NODES = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
 
 
@@ -208,6 +212,10 @@ def build_spec(
     merged_env = {**{k: str(x) for k, x in (v("env") or {}).items()}, **dict(env or {})}
     for key, value in merged_env.items():
         _no_nul(value, f"environment value {key}")
+        if key in _RESERVED_ENV:
+            raise UserError(
+                f"--env {key}=...: {key} cannot be set for the job (reserved by bash or hpcelastic)"
+            )
     directives = tuple(v("sbatch_directives") or ())
     for d in directives:
         if not d.startswith("-") or any(ord(c) < 32 for c in d):
