@@ -75,7 +75,9 @@ def test_agent_line_has_the_documented_form(tmp_path: Path) -> None:
     doc = DOCS.read_text().split("## Agent command line", 1)[1].split("```")[1].replace("\\\n", "")
     doc_words = doc.split()
     # srun prefix, then PYTHON, then the fixed words of the documented form
-    assert argv[:4] == doc_words[:4] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered"]
+    assert (
+        argv[:4] == doc_words[:4] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered"]
+    )
     assert argv[4] == spec.python
     assert argv[5:8] == doc_words[5:8] == ["-m", "hpcelastic", "agent"]
     documented = re.findall(r"--[a-z-]+", doc)
@@ -92,7 +94,7 @@ def test_script_never_contains_the_secret_and_exports_run_dir(tmp_path: Path) ->
     text = render(make_spec(tmp_path)).script_text
     assert "SECRET" not in text.upper().replace("RUN/SECRET", "")
     assert f"export HPCELASTIC_RUN_DIR={tmp_path / 'run'}" in text
-    assert "--exit-code \"$rc\"" in text and "\nexit $?\n" in text
+    assert '--exit-code "$rc"' in text and "\nexit $?\n" in text
 
 
 def test_module_mode_and_nproc_auto(tmp_path: Path) -> None:
@@ -143,7 +145,9 @@ with open(os.environ["SHIM_OUT"] + "." + os.path.basename(sys.argv[0]), "w") as 
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, f)
 """
 
-text_values = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=30)
+text_values = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=30
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -189,6 +193,13 @@ def test_user_values_reach_the_job_byte_for_byte(
     assert srun["env"]["HPCELASTIC_RUN_DIR"] == str(case / "run")
     finalize = json.loads((case / "out.python").read_text())["argv"]
     assert finalize == ["-m", "hpcelastic", "finalize", "--run-dir", str(case / "run"), "--exit-code", "0"]
-    assert sorted(p.name for p in case.iterdir()) == ["bin", "job.sbatch", "out.python", "out.srun", "site.yaml", "train.py"]
+    assert sorted(p.name for p in case.iterdir()) == [
+        "bin",
+        "job.sbatch",
+        "out.python",
+        "out.srun",
+        "site.yaml",
+        "train.py",
+    ]
     name_line = next(d for d in directives(script.read_text()) if d.startswith("--job-name="))
     assert sbatch_parse_argument(name_line) == "--job-name=" + job_name

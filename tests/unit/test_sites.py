@@ -74,7 +74,10 @@ def test_validate_reports_file_key_and_fix(isolated: Path, text: str, expected: 
 
 
 def test_layers_defaults_site_user_command_line(isolated: Path) -> None:
-    site = write(isolated / "mysite.yaml", "partition: site-p\nqos: site-q\naccount: site-a\nenv:\n  A: site\n  B: site\n")
+    site = write(
+        isolated / "mysite.yaml",
+        "partition: site-p\nqos: site-q\naccount: site-a\nenv:\n  A: site\n  B: site\n",
+    )
     write(isolated / "xdg" / "hpcelastic" / "config.yaml", "qos: user-q\naccount: user-a\nenv:\n  B: user\n")
     cfg = sites.resolve(str(site), {"account": "cli-a", "partition": None})
     assert cfg.get("max_restarts") == 3  # built-in default
@@ -82,7 +85,12 @@ def test_layers_defaults_site_user_command_line(isolated: Path) -> None:
     assert cfg.get("qos") == "user-q"  # user file beats site
     assert cfg.get("account") == "cli-a"  # command line beats all
     assert cfg.get("env") == {"A": "site", "B": "user"}  # env merges key by key
-    assert cfg.sources == ["built-in defaults", str(site), str(isolated / "xdg/hpcelastic/config.yaml"), "command line"]
+    assert cfg.sources == [
+        "built-in defaults",
+        str(site),
+        str(isolated / "xdg/hpcelastic/config.yaml"),
+        "command line",
+    ]
 
 
 def test_bad_user_file_is_reported_with_its_path(isolated: Path) -> None:
