@@ -1,0 +1,70 @@
+"""``hpcelastic sites list | show NAME [--json] | validate FILE``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.group(short_help="List, show and validate site configurations.")
+def sites() -> None:
+    """List, show and validate site configurations (site_configs/*.yaml)."""
+
+
+@sites.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def list_sites(as_json: bool) -> None:
+    """List the shipped sites and which one this host would use."""
+    from hpcelastic import sites as s
+    from hpcelastic.jobs.slurm import cluster_name
+
+    cluster = cluster_name()
+    detected = s.detect_site(cluster)
+    rows = []
+    for name in s.site_names():
+        cfg = s.site_config(name)
+        rows.append({"name": name, "description": cfg.get("description") or "", "detected": name == detected})
+    if as_json:
+        click.echo(json.dumps({"cluster_name": cluster, "detected": detected, "sites": rows}))
+        return
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = "*" if r["detected"] else " "
+        click.echo(f"{mark} {r['name']:<{width}}  {r['description']}")
+    click.echo(f"(* = used on this host; Slurm ClusterName: {cluster or 'not found'}; override with --site)")
+
+
+@sites.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the merged configuration as JSON.")
+def show(name: str, as_json: bool) -> None:
+    """Show site NAME (a shipped name or a YAML file) merged over the built-in defaults."""
+    from hpcelastic import sites as s
+
+    cfg = s.site_config(name)
+    if as_json:
+        click.echo(
+            json.dumps({"site": cfg.site, "sources": cfg.sources, "config": cfg.as_tree()}, sort_keys=True)
+        )
+        return
+    click.echo(f"# site {cfg.site} (layers: {' < '.join(cfg.sources)})")
+    for key, spec in s.SCHEMA.items():
+        value = cfg.values.get(key)
+        click.echo(f"{key}: {json.dumps(value)}")
+        click.echo(f"    {spec.doc}")
+
+
+@sites.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+def validate(file: Path) -> None:
+    """Check a site (or user config) YAML FILE: unknown keys, wrong types, impossible values."""
+    from hpcelastic import sites as s
+
+    if not file.is_file():
+        from hpcelastic.errors import UserError
+
+        raise UserError(f"{file} does not exist")
+    flat = s.validate(s.load_yaml(file), str(file))
+    click.echo(f"{file}: OK ({len(flat)} key{'s' if len(flat) != 1 else ''} set)")

@@ -1,0 +1,187 @@
+"""Render a :class:`JobSpec` into a :class:`JobRequest`: the batch script text and the sbatch command.
+
+Dry-run prints the request and submit sends the same object, so the two never drift apart.
+Quoting rules, in one place:
+
+* shell words (arguments, paths, environment values) go through :func:`shlex.quote`;
+* ``#SBATCH`` values are read by sbatch's own parser (Slurm ``src/sbatch/opt.c``): quotes group,
+  a backslash escapes the next character and a line ends the option. :func:`sbatch_quote` wraps
+  every value in double quotes and escapes ``\\`` and ``"``; values with a line break are refused.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcelastic import __version__
+from hpcelastic.errors import UserError
+from hpcelastic.jobs.spec import JobSpec
+from hpcelastic.resources import data_dir
+
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
+SRUN_PREFIX = ("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What a backend submits: the script text, the sbatch command line and the agent's argv."""
+
+    spec: JobSpec
+    script_text: str
+    sbatch_args: tuple[str, ...]  # the user's --sbatch-arg values, passed to sbatch untouched
+    directives: tuple[str, ...]  # the #SBATCH options in the script, already quoted for sbatch
+    agent_argv: tuple[str, ...]  # PYTHON -m hpcelastic agent ... -- SCRIPT ARGS
+    finalize_argv: tuple[str, ...]  # PYTHON -m hpcelastic finalize --run-dir RUN (+ --exit-code RC)
+    env: tuple[tuple[str, str], ...]  # exported before the step, HPCELASTIC_RUN_DIR first
+
+    @property
+    def script_path(self) -> Path:
+        """Where submit writes :attr:`script_text`."""
+        return Path(self.spec.run_dir) / "job.sbatch"
+
+    @property
+    def sbatch_command(self) -> tuple[str, ...]:
+        """The exact command the sbatch backend runs."""
+        return ("sbatch", "--parsable", *self.sbatch_args, str(self.script_path))
+
+
+def sbatch_quote(value: str) -> str:
+    """Quote ``value`` for one ``#SBATCH --opt=VALUE`` line as sbatch parses it."""
+    if "\n" in value or "\r" in value or "\0" in value:
+        raise UserError(f"{value!r} cannot go on an #SBATCH line: it contains a line break")
+    if _PLAIN.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _option(name: str, value: str | int | None = None) -> str:
+    return f"--{name}" if value is None else f"--{name}={sbatch_quote(str(value))}"
+
+
+def directives_for(spec: JobSpec) -> tuple[str, ...]:
+    """The ``#SBATCH`` options (without the ``#SBATCH`` prefix) for ``spec``."""
+    nodes = str(spec.nodes_min) if spec.nodes_min == spec.nodes_max else f"{spec.nodes_min}-{spec.nodes_max}"
+    out = [_option("job-name", spec.job_name), _option("nodes", nodes), _option("ntasks-per-node", 1)]
+    if spec.gpus_per_node:
+        gpus = spec.gpus_per_node
+        out.append(
+            _option("gres", f"gpu:{gpus}") if spec.gpu_request == "gres" else _option("gpus-per-node", gpus)
+        )
+    if spec.time_limit_s is not None:
+        from hpcelastic.sites import format_time
+
+        out.append(_option("time", format_time(spec.time_limit_s)))
+    for name in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(spec, name)
+        if value:
+            out.append(_option(name, value))
+    out += [
+        _option("requeue"),
+        _option("signal", f"B:{spec.signal}@{spec.signal_lead_s}"),
+        _option("output", str(Path(spec.run_dir) / "slurm-%j.out")),
+        _option("open-mode", "append"),
+        _option("chdir", spec.cwd),
+    ]
+    # Site directives are written by the admin as options; each is one shell-free line.
+    out += list(spec.sbatch_directives_site)
+    return tuple(out)
+
+
+def agent_argv(spec: JobSpec) -> tuple[str, ...]:
+    """``PYTHON -m hpcelastic agent ...`` exactly as docs/ARCHITECTURE.md ("Agent command line") states."""
+    argv = [spec.python, "-m", "hpcelastic", "agent", "--run-dir", spec.run_dir, "--nodes", spec.nodes_text]
+    argv += ["--nproc-per-node", spec.nproc_per_node, "--max-restarts", str(spec.max_restarts)]
+    argv += ["--checkpoint-dir", spec.checkpoint_dir]
+    if spec.rdzv_port is not None:
+        argv += ["--rdzv-port", str(spec.rdzv_port)]
+    if spec.rdzv_interface:
+        argv += ["--rdzv-interface", spec.rdzv_interface]
+    if spec.stall_timeout_s is not None:
+        argv += ["--stall-timeout", str(spec.stall_timeout_s)]
+    argv += ["--signal", spec.signal]
+    if spec.grace_period_s is not None:
+        argv += ["--grace-period", str(spec.grace_period_s)]
+    argv += ["--requeue-mode", spec.requeue_mode, "--max-requeues", str(spec.max_requeues)]
+    if spec.module:
+        argv.append("-m")
+    return (*argv, "--", spec.script, *spec.script_args)
+
+
+def _join(words: Sequence[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def agent_line(argv: Sequence[str]) -> str:
+    """The srun + agent command as shell text, broken into lines like the documented form."""
+    agent = list(argv)
+    cut1 = agent.index("--max-restarts")
+    cut2 = agent.index("--signal")
+    groups = [SRUN_PREFIX, agent[:cut1], agent[cut1:cut2], agent[cut2:]]
+    return " \\\n  ".join(_join(g) for g in groups)
+
+
+def _environment(template: str):  # -> jinja2.Environment, imported lazily
+    import jinja2
+
+    path = Path(template).expanduser()
+    if path.is_file():
+        folder, name = path.parent, path.name
+    else:
+        folder, name = data_dir("sbatch_templates"), template
+        if not (folder / name).is_file():
+            known = ", ".join(sorted(p.name for p in folder.glob("*.j2")))
+            raise UserError(
+                f"template {template!r} not found (shipped templates: {known}; or give a file path)"
+            )
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(folder)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["q"] = shlex.quote
+    env.filters["sbatch_quote"] = sbatch_quote
+    return env, name
+
+
+def render(spec: JobSpec) -> JobRequest:
+    """Render ``spec`` with its template into a :class:`JobRequest` (pure: creates no files)."""
+    argv = agent_argv(spec)
+    finalize = (spec.python, "-m", "hpcelastic", "finalize", "--run-dir", spec.run_dir)
+    env = (("HPCELASTIC_RUN_DIR", spec.run_dir), *spec.env)
+    directives = directives_for(spec)
+    trapped = [spec.signal] + [s for s in ("TERM",) if s != spec.signal]
+    jinja_env, name = _environment(spec.template)
+    import jinja2
+
+    try:
+        text = jinja_env.get_template(name).render(
+            version=__version__,
+            site=spec.site,
+            run_dir=spec.run_dir,
+            directives=directives,
+            modules=spec.modules,
+            setup=spec.setup,
+            env=env,
+            trapped_signals=trapped,
+            agent_line=agent_line(argv),
+            finalize_line=_join(finalize) + ' --exit-code "$rc"',
+            spec=spec,
+        )
+    except jinja2.TemplateError as e:
+        raise UserError(f"template {spec.template!r}: {e.message or e}") from None
+    return JobRequest(
+        spec=spec,
+        script_text=text,
+        sbatch_args=spec.sbatch_args,
+        directives=directives,
+        agent_argv=argv,
+        finalize_argv=finalize,
+        env=env,
+    )

@@ -1,0 +1,267 @@
+"""``JobSpec``: one submission, validated from the merged configuration and the command line.
+
+Everything a user typed is checked here, before anything is created or submitted, and every
+problem is a one-line :class:`~hpcelastic.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcelastic.errors import UserError
+from hpcelastic.sites import ENV_NAME, Resolved, normalize_signal, parse_time
+
+MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+# bash refuses to assign these; the run directory variable is hpcelastic's own.
+_RESERVED_ENV = frozenset(
+    {"BASHOPTS", "BASH_VERSINFO", "EUID", "PPID", "SHELLOPTS", "UID", "HPCELASTIC_RUN_DIR"}
+)
+_NODES = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated submission; :func:`hpcelastic.jobs.render.render` turns it into a JobRequest."""
+
+    script: str  # absolute path of the training script, or a module name with ``module``
+    script_args: tuple[str, ...]
+    module: bool
+    nodes_min: int
+    nodes_max: int
+    gpus_per_node: int | None
+    nproc_per_node: str  # a positive integer as text, or "auto"
+    time_limit_s: int | None
+    job_name: str
+    run_dir: str
+    checkpoint_dir: str
+    cwd: str
+    python: str
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    exclude: str | None
+    gpu_request: str
+    signal: str
+    signal_lead_s: int
+    max_restarts: int
+    requeue_mode: str
+    max_requeues: int
+    grace_period_s: int | None
+    rdzv_interface: str | None
+    rdzv_port: int | None
+    stall_timeout_s: int | None
+    modules: tuple[str, ...]
+    setup: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    sbatch_directives_site: tuple[str, ...]  # the site's extra #SBATCH options, verbatim (admin-written)
+    sbatch_args: tuple[str, ...]  # the user's --sbatch-arg values, passed to sbatch untouched
+    template: str
+    backend: str
+    site: str
+    config: Mapping[str, Any]  # the resolved configuration, nested, for <run>/config.yaml
+
+    @property
+    def nodes_text(self) -> str:
+        """``MIN:MAX`` as the agent takes it."""
+        return f"{self.nodes_min}:{self.nodes_max}"
+
+
+def parse_nodes(value: str | int) -> tuple[int, int]:
+    """``"4"`` -> (4, 4), ``"2:4"`` -> (2, 4); UserError for 0, a reversed range or junk."""
+    m = _NODES.fullmatch(str(value))
+    if not m:
+        raise UserError(f"--nodes {value!r} is not N or N_MIN:N_MAX (e.g. --nodes 4 or --nodes 2:4)")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) is not None else low
+    if low < 1:
+        raise UserError(f"--nodes {value!r}: at least one node is needed")
+    if high < low:
+        raise UserError(f"--nodes {value!r}: N_MIN is larger than N_MAX; write it as {high}:{low}")
+    return low, high
+
+
+def parse_signal(value: str) -> tuple[str, int]:
+    """``"USR2@180"`` -> ("USR2", 180); UserError otherwise."""
+    name, sep, lead = str(value).partition("@")
+    sig = normalize_signal(name)
+    if not sep or sig is None or not lead.strip().isdigit():
+        raise UserError(f"--signal {value!r} is not SIG@SECONDS (e.g. --signal USR2@180)")
+    seconds = int(lead)
+    if seconds > MAX_SIGNAL_LEAD_S:
+        raise UserError(f"--signal {value!r}: Slurm allows at most {MAX_SIGNAL_LEAD_S} s of lead time")
+    return sig, seconds
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``["A=1", "B=x=y"]`` -> {"A": "1", "B": "x=y"}; UserError for a malformed entry."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not ENV_NAME.fullmatch(key):
+            raise UserError(
+                f"--env {item!r} is not KEY=VALUE with a valid variable name (e.g. --env NCCL_DEBUG=INFO)"
+            )
+        _no_nul(value, f"--env {key}")
+        out[key] = value
+    return out
+
+
+def _no_nul(value: str, what: str) -> None:
+    if "\0" in value:
+        raise UserError(f"{what} contains a NUL byte, which no command line or environment can carry")
+
+
+def check_job_name(name: str) -> str:
+    """A job name must fit on one ``#SBATCH`` line: no control characters."""
+    if not name or not name.strip():
+        raise UserError("--job-name is empty")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UserError(f"--job-name {name!r} contains a control character (newline, tab, ...); remove it")
+    return name
+
+
+def default_job_name(script: str, module: bool) -> str:
+    """``train.py`` -> ``train``; ``pkg.train`` (with -m) -> ``train``."""
+    base = script.rsplit(".", 1)[-1] if module else Path(script).stem
+    return base or "hpcelastic"
+
+
+def _safe_path_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "job"
+
+
+def default_run_dir(run_root: str, job_name: str, cwd: str, now: float | None = None) -> str:
+    """``<run_root>/<job-name>-<YYYYmmdd-HHMMSS>``, absolute (relative roots are under ``cwd``)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    root = Path(os.path.expanduser(run_root))
+    return str((Path(cwd) / root / f"{_safe_path_part(job_name)}-{stamp}").absolute())
+
+
+def _resolve_script(script: str, module: bool, cwd: str) -> str:
+    if not script:
+        raise UserError("no training script given (usage: hpcelastic submit [OPTIONS] SCRIPT [ARGS]...)")
+    if module:
+        if not _MODULE_NAME.fullmatch(script):
+            raise UserError(f"-m {script!r} is not a Python module name (e.g. -m mypkg.train)")
+        return script
+    path = Path(cwd) / os.path.expanduser(script)
+    if not path.is_file():
+        raise UserError(f"training script {script!r} does not exist (looked for {path})")
+    return str(path.resolve())
+
+
+def _nproc(value: str | int | None, gpus: int | None) -> str:
+    if value is None or str(value).strip() == "":
+        return str(gpus) if gpus else "auto"
+    text = str(value).strip().lower()
+    if text == "auto" or (text.isdigit() and int(text) > 0):
+        return text
+    raise UserError(f"--nproc-per-node {value!r} must be a positive integer or 'auto'")
+
+
+def build_spec(
+    config: Resolved,
+    *,
+    script: str,
+    script_args: Sequence[str] = (),
+    module: bool = False,
+    nodes: str | int = 1,
+    nproc_per_node: str | int | None = None,
+    job_name: str | None = None,
+    run_dir: str | None = None,
+    checkpoint_dir: str | None = None,
+    env: Mapping[str, str] | None = None,
+    sbatch_args: Sequence[str] = (),
+    cwd: str | None = None,
+    now: float | None = None,
+) -> JobSpec:
+    """Validate one submission. ``config`` already holds the command-line overrides of config keys."""
+    cwd = os.path.abspath(cwd or os.getcwd())
+    nodes_min, nodes_max = parse_nodes(nodes)
+    v = config.get
+    gpus = v("gpus_per_node")
+    max_gpus = v("max_gpus_per_node")
+    if gpus is not None and max_gpus is not None and gpus > max_gpus:
+        raise UserError(
+            f"--gpus-per-node {gpus} is more than site {config.site!r} has per node ({max_gpus}); "
+            f"use --gpus-per-node {max_gpus} and more nodes"
+        )
+    time_limit = parse_time(v("time")) if v("time") else None
+    lead = v("signal.lead_time")
+    if time_limit is not None and lead >= time_limit:
+        raise UserError(
+            f"the signal lead time ({lead} s) is not shorter than --time ({time_limit} s); "
+            "raise --time or lower the lead with --signal"
+        )
+    script_path = _resolve_script(script, module, cwd)
+    for i, arg in enumerate(script_args):
+        _no_nul(arg, f"script argument {i + 1}")
+    name = check_job_name(job_name if job_name is not None else default_job_name(script, module))
+    run = os.path.abspath(os.path.join(cwd, os.path.expanduser(run_dir))) if run_dir else None
+    run = run or default_run_dir(v("run_root"), name, cwd, now)
+    ckpt = os.path.abspath(os.path.join(cwd, os.path.expanduser(checkpoint_dir))) if checkpoint_dir else None
+    merged_env = {**{k: str(x) for k, x in (v("env") or {}).items()}, **dict(env or {})}
+    for key, value in merged_env.items():
+        _no_nul(value, f"environment value {key}")
+        if key in _RESERVED_ENV:
+            raise UserError(
+                f"--env {key}=...: {key} cannot be set for the job (reserved by bash or hpcelastic)"
+            )
+    directives = tuple(v("sbatch_directives") or ())
+    for d in directives:
+        if not d.startswith("-") or any(ord(c) < 32 for c in d):
+            raise UserError(
+                f"site {config.site!r}: sbatch_directives entry {d!r} must be one option on one line"
+            )
+    for a in sbatch_args:
+        _no_nul(a, "--sbatch-arg")
+        if not a.startswith("-"):
+            raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
+    return JobSpec(
+        script=script_path,
+        script_args=tuple(script_args),
+        module=module,
+        nodes_min=nodes_min,
+        nodes_max=nodes_max,
+        gpus_per_node=gpus,
+        nproc_per_node=_nproc(nproc_per_node, gpus),
+        time_limit_s=time_limit,
+        job_name=name,
+        run_dir=run,
+        checkpoint_dir=ckpt or os.path.join(run, "checkpoints"),
+        cwd=cwd,
+        python=v("python") or sys.executable,
+        partition=v("partition"),
+        account=v("account"),
+        qos=v("qos"),
+        constraint=v("constraint"),
+        exclude=v("exclude"),
+        gpu_request=v("gpu_request"),
+        signal=normalize_signal(v("signal.name")) or "USR2",
+        signal_lead_s=lead,
+        max_restarts=v("max_restarts"),
+        requeue_mode=v("requeue.mode"),
+        max_requeues=v("requeue.max_requeues"),
+        grace_period_s=v("requeue.grace_period"),
+        rdzv_interface=v("rdzv_interface"),
+        rdzv_port=v("rdzv_port"),
+        stall_timeout_s=v("stall_timeout"),
+        modules=tuple(v("modules") or ()),
+        setup=tuple(v("setup") or ()),
+        env=tuple(merged_env.items()),
+        sbatch_directives_site=directives,
+        sbatch_args=tuple(sbatch_args),
+        template=v("template"),
+        backend=v("backend"),
+        site=config.site,
+        config=config.as_tree(),
+    )

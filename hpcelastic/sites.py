@@ -1,0 +1,404 @@
+"""Site configurations: load, layer and validate YAML; the one place that knows config keys.
+
+Layers, lowest first: built-in defaults (:data:`SCHEMA`) < the site file (``site_configs/<name>.yaml``)
+< the user file (``$XDG_CONFIG_HOME/hpcelastic/config.yaml``) < the command line. Mappings merge key by
+key; scalars and lists replace. Every problem in a file is reported as one line naming the file, the key
+path and, for a misspelt key, the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import signal as _signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcelastic.errors import UserError
+from hpcelastic.resources import data_dir
+
+USER_CONFIG_ENV = "XDG_CONFIG_HOME"
+SITE_SUFFIX = ".yaml"
+
+Validator = Callable[[Any], str | None]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One configuration key: its type(s), default, one-line doc and an optional extra check."""
+
+    type: type
+    default: Any
+    doc: str
+    check: Validator | None = None
+    item: type | None = None  # element type of a list, or value type of a mapping
+    nullable: bool = True
+
+
+def _choice(*allowed: str) -> Validator:
+    def check(value: Any) -> str | None:
+        if value in allowed:
+            return None
+        hint = difflib.get_close_matches(str(value), allowed, n=1)
+        return f"must be one of {', '.join(allowed)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+
+    return check
+
+
+def _at_least(low: int) -> Validator:
+    return lambda value: None if value >= low else f"must be at least {low}, got {value}"
+
+
+def _signal_name(value: Any) -> str | None:
+    return None if normalize_signal(value) else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
+
+
+def _env_names(value: Mapping[str, Any]) -> str | None:
+    bad = [k for k in value if not ENV_NAME.fullmatch(k)]
+    return f"{bad[0]!r} is not a valid environment variable name" if bad else None
+
+
+def _time_value(value: Any) -> str | None:
+    try:
+        parse_time(value)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# The schema: dotted key -> Key. Sections (mappings of keys) are the prefixes before a dot.
+SCHEMA: dict[str, Key] = {
+    "description": Key(str, None, "one line shown by `hpcelastic sites list`"),
+    "cluster_names": Key(list, [], "Slurm ClusterName values that select this site automatically", item=str),
+    "partition": Key(str, None, "default partition (--partition)"),
+    "account": Key(str, None, "default account (--account)"),
+    "qos": Key(str, None, "default QOS (--qos)"),
+    "constraint": Key(str, None, "default node constraint (--constraint)"),
+    "exclude": Key(str, None, "nodes never to use, a Slurm hostlist (--exclude)"),
+    "time": Key(str, None, "default time limit in Slurm format, e.g. 04:00:00 (--time)", check=_time_value),
+    "gpus_per_node": Key(int, None, "default GPUs requested per node (--gpus-per-node)", check=_at_least(0)),
+    "max_gpus_per_node": Key(
+        int, None, "largest --gpus-per-node this site's nodes serve", check=_at_least(1)
+    ),
+    "gpu_request": Key(
+        str,
+        "gpus-per-node",
+        "how GPUs are requested: 'gpus-per-node' (--gpus-per-node=N) or 'gres' (--gres=gpu:N)",
+        check=_choice("gpus-per-node", "gres"),
+        nullable=False,
+    ),
+    "max_restarts": Key(
+        int, 3, "job-wide worker restarts per attempt (--max-restarts)", check=_at_least(0), nullable=False
+    ),
+    "modules": Key(list, [], "environment modules loaded before the job step (`module load X`)", item=str),
+    "setup": Key(
+        list, [], "shell lines run before the job step (trusted: written by the site admin)", item=str
+    ),
+    "env": Key(dict, {}, "environment exported to the job step, e.g. NCCL_SOCKET_IFNAME", _env_names, str),
+    "rdzv_interface": Key(str, None, "network interface whose address the agents rendezvous on"),
+    "rdzv_port": Key(int, None, "fixed TCP port for the agents' coordinator", check=_at_least(1)),
+    "stall_timeout": Key(
+        int, None, "seconds without a worker heartbeat before a restart", check=_at_least(1)
+    ),
+    "sbatch_directives": Key(list, [], "extra #SBATCH options, e.g. '--mem=0' or '--exclusive'", item=str),
+    "python": Key(
+        str, None, "interpreter that runs the agent on the nodes (default: the one running submit)"
+    ),
+    "run_root": Key(str, "./hpcelastic-runs", "where run directories are created", nullable=False),
+    "template": Key(str, "default.sbatch.j2", "batch script template (name in sbatch_templates/ or a path)"),
+    "backend": Key(str, "sbatch", "submission backend", check=_choice("sbatch", "submitit"), nullable=False),
+    "signal.name": Key(
+        str, "USR2", "signal sent before the time limit (and on preemption)", check=_signal_name
+    ),
+    "signal.lead_time": Key(int, 180, "seconds before the time limit the signal is sent", check=_at_least(0)),
+    "requeue.mode": Key(
+        str,
+        "requeue",
+        "after preemption/time limit: 'requeue' (same job id) or 'resubmit' (new job)",
+        check=_choice("requeue", "resubmit"),
+        nullable=False,
+    ),
+    "requeue.max_requeues": Key(
+        int, 5, "requeues after failures before giving up", check=_at_least(0), nullable=False
+    ),
+    "requeue.grace_period": Key(
+        int, 60, "seconds workers get to checkpoint after the signal", check=_at_least(0)
+    ),
+}
+
+COMMAND_LINE = "command line"
+# Keys whose command-line flag is not simply --<last part of the key>.
+FLAG_OF = {"signal.name": "--signal", "signal.lead_time": "--signal"}
+FLAG_OF.update({k: "--" + k.rsplit(".", 1)[-1].replace("_", "-") for k in SCHEMA if k not in FLAG_OF})
+
+SECTIONS = sorted({k.split(".", 1)[0] for k in SCHEMA if "." in k})
+
+
+def normalize_signal(value: Any) -> str | None:
+    """``"SIGUSR2"``, ``"usr2"`` or ``12`` -> ``"USR2"``; None when it is not a signal."""
+    text = str(value).strip().upper()
+    if text.isdigit():
+        try:
+            return _signal.Signals(int(text)).name.removeprefix("SIG")
+        except ValueError:
+            return None
+    name = text if text.startswith("SIG") else "SIG" + text
+    return name.removeprefix("SIG") if name in _signal.Signals.__members__ else None
+
+
+_TIME_FORMS = (
+    (re.compile(r"(\d+)"), ("m",)),
+    (re.compile(r"(\d+):(\d+)"), ("m", "s")),
+    (re.compile(r"(\d+):(\d+):(\d+)"), ("h", "m", "s")),
+    (re.compile(r"(\d+)-(\d+)"), ("d", "h")),
+    (re.compile(r"(\d+)-(\d+):(\d+)"), ("d", "h", "m")),
+    (re.compile(r"(\d+)-(\d+):(\d+):(\d+)"), ("d", "h", "m", "s")),
+)
+_UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_time(value: Any) -> int:
+    """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
+
+    Raises ValueError (with the accepted forms) for anything else or for zero.
+    """
+    text = str(value).strip()
+    for pattern, units in _TIME_FORMS:
+        m = pattern.fullmatch(text)
+        if m:
+            seconds = sum(int(g) * _UNIT_S[u] for g, u in zip(m.groups(), units, strict=True))
+            if seconds <= 0:
+                raise ValueError(f"time limit {text!r} is zero")
+            return seconds
+    raise ValueError(f"{text!r} is not a Slurm time (use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
+
+
+def format_time(seconds: int) -> str:
+    """Seconds -> ``D-HH:MM:SS`` (Slurm accepts it everywhere)."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+
+
+def defaults() -> dict[str, Any]:
+    """The built-in defaults as a nested dict (the lowest layer)."""
+    return unflatten({k: _copy(key.default) for k, key in SCHEMA.items()})
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"signal": {"name": "USR2"}}`` -> ``{"signal.name": "USR2"}`` (only known sections descend)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        if not prefix and k in SECTIONS and isinstance(v, Mapping):
+            out.update(flatten(v, f"{k}."))
+        else:
+            out[path] = v
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`flatten`."""
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        head, _, tail = path.partition(".")
+        if tail:
+            out.setdefault(head, {})[tail] = v
+        else:
+            out[head] = v
+    return out
+
+
+def validate(tree: Any, source: str) -> dict[str, Any]:
+    """Check one layer (a parsed YAML document) against :data:`SCHEMA`; return it flattened.
+
+    ``source`` names the file in error messages. Raises :class:`UserError` on the first problem.
+    """
+    if tree is None:
+        return {}
+    if not isinstance(tree, Mapping):
+        raise UserError(f"{source}: the top level must be a mapping of keys, not {_type_name(tree)}")
+    for section in SECTIONS:
+        if section in tree and tree[section] is not None and not isinstance(tree[section], Mapping):
+            raise UserError(f"{source}: {section}: must be a mapping, not {_type_name(tree[section])}")
+    flat = flatten({k: v for k, v in tree.items() if v is not None or k not in SECTIONS})
+    for path, value in flat.items():
+        key = SCHEMA.get(path)
+        if key is None:
+            hint = difflib.get_close_matches(path, list(SCHEMA), n=1, cutoff=0.6)
+            fix = f"did you mean {hint[0]!r}?" if hint else "see `hpcelastic sites show default` for the keys"
+            raise UserError(f"{source}: {path}: unknown key; {fix}")
+        problem = _check_value(key, value)
+        if problem:
+            where = FLAG_OF.get(path, path) if source == COMMAND_LINE else path
+            raise UserError(f"{source}: {where}: {problem}")
+    return flat
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", int: "an integer", bool: "true/false"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _check_value(key: Key, value: Any) -> str | None:
+    if value is None:
+        return None if key.nullable else "must not be empty"
+    # bool is an int subclass in Python; YAML's `yes` must not pass as a number.
+    if isinstance(value, bool) or not isinstance(value, key.type):
+        hint = " (quote it: YAML reads an unquoted 4:00:00 as a number)" if key.type is str else ""
+        return f"must be {_type_name(key.type())}, not {_type_name(value)} ({value!r}){hint}"
+    if key.item is not None:
+        items = value.values() if isinstance(value, Mapping) else value
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, key.item):
+                if isinstance(value, Mapping) and isinstance(item, int | float):
+                    continue  # numbers in env are fine: they are exported as text
+                return f"every entry must be {_type_name(key.item())}, not {_type_name(item)} ({item!r})"
+    return key.check(value) if key.check else None
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse one YAML file; malformed YAML becomes a one-line :class:`UserError`."""
+    import yaml  # only on the submit/sites path: keeps `hpcelastic --help` lean
+
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UserError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}: invalid YAML: {where}{problem}") from None
+
+
+def sites_dir() -> Path:
+    """The directory of the site configs shipped with hpcelastic."""
+    return data_dir("site_configs")
+
+
+def site_names() -> list[str]:
+    """Names of the shipped sites, sorted."""
+    return sorted(p.name.removesuffix(SITE_SUFFIX) for p in sites_dir().glob(f"*{SITE_SUFFIX}"))
+
+
+def site_path(name: str) -> Path:
+    """The file of site ``name`` (a shipped name, or a path to a YAML file)."""
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise UserError(f"site file {path} does not exist")
+        return path
+    path = sites_dir() / f"{name}{SITE_SUFFIX}"
+    if not path.is_file():
+        names = site_names()
+        hint = difflib.get_close_matches(name, names, n=1)
+        fix = f"did you mean {hint[0]!r}?" if hint else f"known sites: {', '.join(names)}"
+        raise UserError(f"unknown site {name!r}; {fix} (see `hpcelastic sites list`)")
+    return path
+
+
+def detect_site(cluster: str | None) -> str:
+    """The site for Slurm cluster ``cluster``: the file named after it, one listing it, else ``default``."""
+    if not cluster:
+        return "default"
+    names = site_names()
+    if cluster in names:
+        return cluster
+    for name in names:
+        tree = load_yaml(sites_dir() / f"{name}{SITE_SUFFIX}") or {}
+        if isinstance(tree, Mapping) and cluster in (tree.get("cluster_names") or []):
+            return name
+    return "default"
+
+
+def user_config_path() -> Path:
+    """``$XDG_CONFIG_HOME/hpcelastic/config.yaml`` (``~/.config`` when unset)."""
+    base = os.environ.get(USER_CONFIG_ENV) or str(Path.home() / ".config")
+    return Path(base) / "hpcelastic" / "config.yaml"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The merged configuration and where each layer came from."""
+
+    site: str
+    values: dict[str, Any]  # flat: dotted key -> value
+    sources: list[str] = field(default_factory=list)
+
+    def get(self, key: str) -> Any:
+        """The value of one schema key."""
+        if key not in SCHEMA:
+            raise KeyError(key)
+        return self.values.get(key)
+
+    def as_tree(self) -> dict[str, Any]:
+        """Nested dict, as written to ``<run>/config.yaml``."""
+        return unflatten(self.values)
+
+
+def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge flat layers, later wins; the ``env`` mapping merges key by key."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for k, v in layer.items():
+            if v is None:
+                continue
+            if k == "env" and isinstance(v, Mapping):
+                out[k] = {**out.get(k, {}), **{ek: str(ev) for ek, ev in v.items()}}
+            else:
+                out[k] = _copy(v)
+    return out
+
+
+def _site_layers(site: str) -> tuple[str, list[dict[str, Any]], list[str]]:
+    path = site_path(site)
+    name = path.name.removesuffix(SITE_SUFFIX) if path.parent == sites_dir() else str(path)
+    return name, [flatten(defaults()), validate(load_yaml(path), str(path))], ["built-in defaults", str(path)]
+
+
+def site_config(site: str) -> Resolved:
+    """One site on top of the built-in defaults (what ``hpcelastic sites show`` prints)."""
+    name, layers, sources = _site_layers(site)
+    return Resolved(site=name, values=merge(*layers), sources=sources)
+
+
+def resolve(site: str | None = None, overrides: Mapping[str, Any] | None = None) -> Resolved:
+    """Build the configuration for a submission.
+
+    ``site``: a site name or file; None means ``$HPCELASTIC_SITE`` or auto-detection from slurm.conf.
+    ``overrides``: flat dotted keys from the command line (highest layer; None values are ignored).
+    """
+    if not site:
+        site = os.environ.get("HPCELASTIC_SITE") or None
+    if not site:
+        from hpcelastic.jobs.slurm import cluster_name
+
+        site = detect_site(cluster_name())
+    name, layers, sources = _site_layers(site)
+    user = user_config_path()
+    if user.is_file():
+        layers.append(validate(load_yaml(user), str(user)))
+        sources.append(str(user))
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if given:
+        layers.append(validate(unflatten(given), COMMAND_LINE))
+        sources.append(COMMAND_LINE)
+    return Resolved(site=name, values=merge(*layers), sources=sources)
