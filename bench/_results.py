@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-HEADER = "# Benchmark results\n\nWritten by the scripts in bench/; each section names the script that owns it.\n"
+HEADER = (
+    "# Benchmark results\n\nWritten by the scripts in bench/; each section names the script that owns it.\n"
+)
 
 
 def machine_line() -> str:
@@ -30,5 +32,7 @@ def update_section(name: str, markdown: str) -> None:
     text = RESULTS.read_text() if RESULTS.exists() else HEADER
     block = f"<!-- bench:{name} -->\n{markdown.rstrip()}\n<!-- /bench:{name} -->"
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->", re.DOTALL)
-    text = pattern.sub(lambda _m: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    text = (
+        pattern.sub(lambda _m: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    )
     RESULTS.write_text(text)

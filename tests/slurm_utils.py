@@ -10,7 +10,16 @@ from typing import Any
 
 import psutil
 
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL"}
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+}
 
 
 def job_record(job_id: str) -> dict[str, str]:
@@ -54,7 +63,7 @@ def event_names(run_dir: Path) -> list[str]:
 
 
 def leaked_processes(marker: str) -> list[psutil.Process]:
-    """Processes whose environment carries ``HPCELASTIC_RUN_DIR=<marker>`` (workers, grandchildren, agents)."""
+    """Processes whose environment has ``HPCELASTIC_RUN_DIR=<marker>`` (workers, grandchildren, agents)."""
     found = []
     for p in psutil.process_iter(["pid"]):
         try:

@@ -25,7 +25,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("hpcelastic.cli.status_cmd", "status", "Show what happened to a run, as a timeline."),
     "logs": ("hpcelastic.cli.status_cmd", "logs", "Show a run's worker logs."),
     "cancel": ("hpcelastic.cli.status_cmd", "cancel", "Cancel a run's current Slurm job."),
-    "finalize": ("hpcelastic.cli.status_cmd", "finalize", "(internal) end-of-step decision in the batch script."),
+    "finalize": (
+        "hpcelastic.cli.status_cmd",
+        "finalize",
+        "(internal) end-of-step decision in the batch script.",
+    ),
 }
 _HIDDEN = {"finalize"}
 

@@ -93,7 +93,9 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
     space is followed by ``Name=``.
     """
     fields: dict[str, str] = {}
-    for m in re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s[A-Za-z][A-Za-z0-9_:/]*=|$)", line.strip()):
+    for m in re.finditer(
+        r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s[A-Za-z][A-Za-z0-9_:/]*=|$)", line.strip()
+    ):
         fields[m.group(1)] = m.group(2)
     return fields
 
