@@ -1,0 +1,200 @@
+"""Deterministic reference training: the measure of "nothing lost".
+
+A small MLP trained with SGD + momentum on synthetic data, in float64, on CPU with
+torch.distributed (gloo). The result is bit-for-bit the same whatever the world size
+and however often the run is interrupted, because:
+
+* the data of step ``s`` is a pure function of (seed, s): a resumed run sees the same
+  samples in the same order;
+* every rank computes per-sample gradients for its share of the fixed global batch,
+  all ranks ``all_gather`` them, and each sums them in global sample order (a fixed
+  reduction order, unlike a ring all-reduce whose order depends on the world size);
+* rank 0 checkpoints (parameters, momentum, step) at step boundaries, writes to a
+  temporary file, renames it into place, and only then publishes it.
+
+It runs unchanged under torchrun, ``hpcelastic run`` and ``hpcelastic agent``.
+Fault injection (for the tests) is driven by ``--fault`` and fires only in the chosen
+attempt and restart round, so the recovered run can finish.
+
+Output: rank 0 writes ``<out>/final.json`` with the SHA-256 of the final parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcelastic import worker
+
+GLOBAL_BATCH = 24  # divisible by every world size the tests use (1, 2, 3, 4, 6, 8, 12)
+IN, HIDDEN, OUT = 8, 16, 1
+FAULTS = ("none", "exit", "raise", "sigkill", "hang", "grandchild", "ckpt-crash", "kill-agent", "startup")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--step-time", type=float, default=0.0, help="sleep per step, seconds")
+    p.add_argument("--out", default=None, help="where rank 0 writes final.json (default: checkpoint dir)")
+    p.add_argument("--fault", choices=FAULTS, default="none")
+    p.add_argument("--fault-step", type=int, default=10)
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-attempt", type=int, default=0, help="attempt in which the fault fires (-1: all)")
+    p.add_argument("--fault-restart", type=int, default=0, help="restart round in which it fires (-1: all)")
+    return p.parse_args(argv)
+
+
+def fault_armed(args: argparse.Namespace, rank: int) -> bool:
+    """True when this rank should inject the configured fault in this attempt and round."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return (
+        args.fault != "none"
+        and rank == args.fault_rank
+        and args.fault_attempt in (-1, worker.attempt())
+        and args.fault_restart in (-1, restart)
+    )
+
+
+def inject(kind: str) -> None:
+    """Break this worker the way ``kind`` says."""
+    sys.stdout.flush()
+    if kind == "exit":
+        os._exit(13)
+    if kind == "raise":
+        raise RuntimeError("injected failure")
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+    if kind == "grandchild":
+        # A grandchild that outlives its parent unless the agent kills the whole tree.
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=False)
+        os._exit(14)
+    if kind == "kill-agent":
+        os.kill(os.getppid(), signal.SIGKILL)
+        while True:
+            time.sleep(1)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT)
+    ).double()
+
+
+def batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: a pure function of (seed, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g, dtype=torch.float64)
+    y = torch.sin(x.sum(dim=1, keepdim=True))
+    return x, y
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, momentum: list[torch.Tensor], step: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "momentum": momentum, "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if args.fault == "startup" and fault_armed(args, rank):
+        raise ImportError("injected start-up failure: no module named 'missing_dependency'")
+    if GLOBAL_BATCH % world:
+        raise SystemExit(f"world size {world} does not divide the global batch {GLOBAL_BATCH}")
+    dist.init_process_group("gloo")
+    model = make_model(args.seed)
+    momentum = [torch.zeros_like(p) for p in model.parameters()]
+    start = 0
+    resume = worker.resume_path()
+    if resume:
+        state = torch.load(resume, weights_only=True)
+        model.load_state_dict(state["model"])
+        momentum = state["momentum"]
+        start = state["step"]
+    ckpt_dir = Path(worker.checkpoint_dir())
+    per_rank = GLOBAL_BATCH // world
+    for step in range(start, args.steps):
+        in_step_fault = args.fault not in ("ckpt-crash", "startup")
+        if step == args.fault_step and in_step_fault and fault_armed(args, rank):
+            inject(args.fault)
+        x, y = batch(args.seed, step)
+        mine = range(rank * per_rank, (rank + 1) * per_rank)
+        grads = []
+        for i in mine:
+            model.zero_grad(set_to_none=False)
+            loss = torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1], reduction="sum")
+            loss.backward()
+            grads.append(flat_grad(model).clone())
+        local = torch.stack(grads)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        total = torch.cat(gathered).sum(dim=0) / GLOBAL_BATCH  # fixed order: global sample index
+        offset = 0
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), momentum, strict=True):
+                g = total[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                m.mul_(0.9).add_(g)
+                p.sub_(args.lr * m)
+        worker.heartbeat(step + 1)
+        if args.step_time:
+            time.sleep(args.step_time)
+        done = step + 1
+        # Ranks must agree on stopping at the same step, or the next collective hangs.
+        stop_flag = torch.tensor([1 if worker.should_stop() else 0])
+        dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
+        stop = bool(stop_flag.item())
+        if done % args.ckpt_every == 0 or done == args.steps or stop:
+            if rank == 0:
+                path = ckpt_dir / f"step-{done:06d}.pt"
+                if args.fault == "ckpt-crash" and done == args.fault_step and fault_armed(args, 0):
+                    path.with_name(path.name + ".tmp").write_bytes(b"torn")  # half-written, never published
+                    os._exit(15)
+                save_checkpoint(path, model, momentum, done)
+                worker.publish_checkpoint(path, done)
+            dist.barrier()
+        if stop:
+            print(f"stopping at step {done} on request; checkpoint published", flush=True)
+            break
+    else:
+        stop = False
+    if rank == 0 and not stop:
+        out = Path(args.out or ckpt_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"sha256": params_digest(model), "steps": args.steps, "world_size": world}
+        (out / "final.json").write_text(json.dumps(result) + "\n")
+        print(f"final parameters sha256={result['sha256']}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
