@@ -218,7 +218,7 @@ class RequeuePolicy:
             return RequeueOutcome("not_needed", reason, EXIT_OK, attempt, message="the job succeeded")
         if is_cancelled(rd):
             return self._skip(
-                rd, attempt, reason, exit_code, "cancelled", "the run was cancelled by the user"
+                rd, attempt, "cancelled", exit_code, "cancelled", "the run was cancelled by the user"
             )
         repeated = (
             signature is not None
@@ -304,7 +304,7 @@ class RequeuePolicy:
             self.say(f"scontrol requeue {job_id} failed ({error}); resubmitting the batch script instead")
         if is_cancelled(rd):
             return self._skip(
-                rd, attempt, reason, exit_code, "cancelled", "the run was cancelled by the user"
+                rd, attempt, "cancelled", exit_code, "cancelled", "the run was cancelled by the user"
             )
         new_id, error = self._resubmit(rd, job_id, exclude)
         if new_id is None:
