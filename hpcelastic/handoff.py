@@ -229,7 +229,10 @@ def begin_attempt(
     ``attempt_started`` event.
     """
     rd = _rundir(run_dir)
-    with _update(rd) as rec:
+    with rd.locked("handoff"):
+        for stale in rd.path.glob(f".{rd.handoff_path.name}.*"):  # temp files of writers killed mid-write
+            stale.unlink(missing_ok=True)
+        rec, _ = _read(rd, repair=True)
         if rec.job_id == str(job_id) and rec.restart_count_slurm == int(slurm_restart_count):
             return rec.attempt
         if rec.started:
@@ -237,6 +240,7 @@ def begin_attempt(
         rec.job_id = str(job_id)
         rec.restart_count_slurm = int(slurm_restart_count)
         attempt = rec.attempt
+        _write(rd, rec)
     rd.append_event(
         "attempt_started",
         attempt=attempt,
@@ -325,10 +329,10 @@ def record_attempt_end(
     *,
     signature: str | None = None,
     progressed: bool = False,
-) -> dict[str, Any] | None:
-    """Record why ``attempt`` ended (event ``attempt_ended``); returns the previous ``last_end``.
+) -> bool:
+    """Record why ``attempt`` ended (``last_end`` and an ``attempt_ended`` event).
 
-    Only the first call per attempt writes; later calls return ``None`` and change nothing.
+    Only the first call per attempt writes and returns True; later calls change nothing.
     """
     rd = _rundir(run_dir)
     end = {
@@ -339,13 +343,14 @@ def record_attempt_end(
         "progressed": bool(progressed),
         "ts": time.time(),
     }
-    with _update(rd) as rec:
-        previous = rec.last_end
-        if previous is not None and previous.get("attempt") == attempt:
-            return None
+    with rd.locked("handoff"):
+        rec, _ = _read(rd, repair=True)
+        if rec.last_end is not None and rec.last_end.get("attempt") == attempt:
+            return False
         rec.last_end = end
+        _write(rd, rec)
     rd.append_event("attempt_ended", **{k: v for k, v in end.items() if k != "ts"})
-    return previous or {}
+    return True
 
 
 def _published_paths_newest_first(rd: RunDir) -> list[str]:
