@@ -372,27 +372,18 @@ class RequeuePolicy:
         return None, error
 
     def _requeue(self, job_id: str, exclude: list[str]) -> tuple[str | None, str | None]:
-        """``scontrol update`` ExcNodeList, then ``scontrol requeue``; returns (error, exclude_error).
+        """``scontrol requeue``, then ``scontrol update`` ExcNodeList; returns (error, exclude_error).
 
-        Slurm may refuse a node exclusion while the job runs; it is then applied once the job is
-        pending again. A failed exclusion does not stop the requeue (it is noted in the event).
+        Slurm refuses ExcNodeList on a running job ("Job is no longer pending execution"), so the
+        bad nodes are excluded right after the requeue, while the job waits out its BeginTime
+        and before it can start anywhere. A failed exclusion does not undo the requeue; it is
+        noted in the ``requeued`` event.
         """
-        state: dict[str, str | None] = {"exclude_error": None}
-
-        def attempt_once() -> None:
-            excluded = True
-            try:
-                slurm.exclude_nodes(job_id, exclude)
-            except SlurmError as e:
-                if e.transient:
-                    raise
-                excluded = False
-            slurm.requeue(job_id)
-            if not excluded:
-                _, state["exclude_error"] = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude))
-
-        _, error = self._retrying(attempt_once)
-        return error, state["exclude_error"]
+        _, error = self._retrying(lambda: slurm.requeue(job_id))
+        if error is not None:
+            return error, None
+        _, exclude_error = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude))
+        return None, exclude_error
 
     def _already_pending(self, job_id: str, rec: handoff.HandoffRecord) -> bool:
         """True when Slurm has requeued the job already (a lost reply, or preemption in REQUEUE mode)."""
