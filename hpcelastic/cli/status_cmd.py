@@ -161,28 +161,37 @@ def logs(run: str, rank: int, attempt: int | None, follow: bool) -> None:
 @click.command("cancel")
 @click.argument("run", metavar="RUN_DIR|JOB_ID")
 def cancel(run: str) -> None:
-    """Cancel the run's current Slurm job, whichever attempt it is on; it is not requeued."""
+    """Cancel the run's current Slurm job, whichever attempt it is on; it is not requeued.
+
+    A previous job of the run that is still winding down is cancelled too.
+    """
     from hpcelastic.jobs import slurm
     from hpcelastic.requeue import mark_cancelled
     from hpcelastic.status import ENDED_STATES
 
     rd = resolve_run(run)
-    job_id = rd.current_job_id()
-    if job_id is None:
+    current = rd.current_job_id()
+    if current is None:
         raise UserError(f"{rd.path} has no Slurm job id (never submitted); nothing to cancel")
     mark_cancelled(rd)
-    state = slurm.query_states([job_id]).get(job_id)
-    if state is not None and state.state in ENDED_STATES:
-        click.echo(
-            f"job {job_id} already ended ({state.state}); nothing to cancel. The run will not be requeued."
-        )
-        return
-    cancelled = []
-    while job_id is not None and job_id not in cancelled:
+    states = slurm.query_states(rd.job_ids())
+    active = [j for j in rd.job_ids() if j in states and states[j].state not in ENDED_STATES]
+    if current not in states:
+        active.append(current)  # too new for squeue, or already purged: let scancel say which
+    cancelled: list[str] = []
+    while active:
+        job_id = active.pop()
         slurm.cancel(job_id)
         rd.append_event("cancelled", job_id=job_id)
         cancelled.append(job_id)
-        job_id = rd.current_job_id()  # a resubmission racing with us gets cancelled too
+        newest = rd.current_job_id()  # a resubmission racing with us gets cancelled too
+        if not active and newest and newest not in cancelled:
+            active.append(newest)
+    if not cancelled:
+        click.echo(
+            f"job {current} has ended ({states[current].state}); nothing to cancel; no requeue will follow"
+        )
+        return
     click.echo(f"cancelled job {', '.join(cancelled)} of {rd.path}; see `hpcelastic status {rd.path}`")
 
 
