@@ -9,12 +9,15 @@ the bad nodes in ``--exclude``. Every step is an event in the run directory and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -149,6 +152,30 @@ def classify_stop_signal(
     return "time_limit" if end is not None and end - now <= window_s else "preempted"
 
 
+@contextlib.contextmanager
+def _term_deferred() -> Iterator[None]:
+    """Hold a SIGTERM back until the decision is recorded, then deliver it.
+
+    ``scontrol requeue`` from inside the job makes Slurm signal this very process; with the
+    default disposition it would die between the requeue and its event. Only possible (and
+    only done) in the main thread when nobody else handles SIGTERM.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if received:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _say(message: str) -> None:
     print(f"hpcelastic: {message}", file=sys.stderr, flush=True)
 
@@ -196,8 +223,25 @@ class RequeuePolicy:
             raise ValueError(f"unknown attempt end reason {reason!r}; expected one of {REASONS}")
         t0 = time.monotonic()
         rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-        if not rd.claim_once(f"decide-attempt-{attempt}"):
-            return self._already_decided(rd, attempt, reason, exit_code)
+        with _term_deferred():
+            if not rd.claim_once(f"decide-attempt-{attempt}"):
+                return self._already_decided(rd, attempt, reason, exit_code)
+            return self._decide_claimed(
+                rd, attempt, reason, exit_code, bad_nodes, job_id, root_cause, progressed, t0
+            )
+
+    def _decide_claimed(
+        self,
+        rd: RunDir,
+        attempt: int,
+        reason: str,
+        exit_code: int,
+        bad_nodes: Sequence[str],
+        job_id: str | None,
+        root_cause: Mapping[str, Any] | None,
+        progressed: bool,
+        t0: float,
+    ) -> RequeueOutcome:
         events = rd.events()
         signature = root_cause_signature(root_cause)
         progressed = progressed or any(

@@ -179,3 +179,40 @@ def test_status_and_cancel_of_a_running_job(submitted) -> None:  # type: ignore[
     # a decision racing with the cancel must not bring the job back
     outcome = RequeuePolicy(say=lambda m: None).decide(rd, 0, "preempted", 5, [], job_id)
     assert outcome.action == "skipped" and slurm.show_job(job_id)["JobState"] == "CANCELLED"
+
+
+IN_JOB = """#!/bin/bash
+#SBATCH --partition=debug
+#SBATCH --nodes=1
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={run}/slurm-%j.out
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+  {python} -c '
+from hpcelastic import handoff
+from hpcelastic.requeue import RequeuePolicy, current_job_id
+job = current_job_id()
+attempt = handoff.begin_attempt("{run}", job, 0)
+RequeuePolicy("requeue", 2).decide("{run}", attempt, "time_limit", 5, [], job)
+'
+fi
+sleep 600
+"""
+
+
+def test_decision_taken_inside_the_job_survives_its_own_requeue(submitted, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The job requeues itself (Slurm then signals it): the decision is still recorded whole."""
+    rd, job_id = submitted("injob")
+    subprocess.run(["scancel", job_id], check=True)
+    rd.script_path.write_text(IN_JOB.format(run=rd.path, python=sys.executable))
+    job_id = slurm.sbatch(rd.script_path, [], cwd=rd.path)
+    rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+
+    info = wait_for(job_id, lambda i: i["Restarts"] == "1" and i["JobState"] == "RUNNING", timeout=90)
+
+    kinds = [e["event"] for e in rd.events()]
+    assert kinds.count("requeued") == 1 and kinds.count("attempt_ended") == 1
+    requeued = next(e for e in rd.events() if e["event"] == "requeued")
+    assert requeued["attempt"] == 1 and requeued["reason"] == "time_limit" and requeued["duration_s"] >= 0
+    assert handoff.load(rd).requeues["time_limit"] == 1
+    assert handoff.begin_attempt(rd, job_id, int(info["Restarts"])) == 1
