@@ -216,3 +216,37 @@ def test_decision_taken_inside_the_job_survives_its_own_requeue(submitted, tmp_p
     assert requeued["attempt"] == 1 and requeued["reason"] == "time_limit" and requeued["duration_s"] >= 0
     assert handoff.load(rd).requeues["time_limit"] == 1
     assert handoff.begin_attempt(rd, job_id, int(info["Restarts"])) == 1
+
+
+FINALIZE = """#!/bin/bash
+#SBATCH --partition=debug
+#SBATCH --nodes=1
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output={run}/slurm-%j.out
+if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+  srun --ntasks=1 bash -c 'exit 6'
+  {python} -m hpcelastic finalize --run-dir {run} --exit-code $? --max-requeues 1
+  echo "finalize exited $?"
+fi
+sleep 600
+"""
+
+
+def test_finalize_requeues_when_no_agent_decided(submitted) -> None:  # type: ignore[no-untyped-def]
+    """The step dies without any agent decision (coordinator lost): finalize in the batch script requeues."""
+    rd, job_id = submitted("finalize")
+    subprocess.run(["scancel", job_id], check=True)
+    rd.script_path.write_text(FINALIZE.format(run=rd.path, python=sys.executable))
+    job_id = slurm.sbatch(rd.script_path, [], cwd=rd.path)
+    rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+
+    wait_for(job_id, lambda i: i["Restarts"] == "1" and i["JobState"] == "RUNNING", timeout=90)
+
+    events = rd.events()
+    started = [e for e in events if e["event"] == "attempt_started"]
+    assert [(e["attempt"], e["job_id"]) for e in started] == [(0, job_id)]
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert len(ended) == 1 and ended[0]["reason"] == "coordinator_lost" and ended[0]["exit_code"] == 6
+    assert [e["event"] for e in events].count("requeued") == 1
+    assert handoff.load(rd).requeues["failure"] == 1
