@@ -1,0 +1,260 @@
+"""``hpcelastic status``, ``logs``, ``cancel`` and the hidden ``finalize`` (run by the batch script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from hpcelastic.errors import UserError
+from hpcelastic.rundir import RunDir
+
+_JOB_ID = re.compile(r"\d+(_\d+)?")
+FOLLOW_POLL_S = 0.5
+
+
+def resolve_run(target: str | None) -> RunDir:
+    """A run directory from a path, a Slurm job id (via the run index) or, if None, the latest run."""
+    from hpcelastic import runindex
+
+    if target is None:
+        latest = runindex.latest_run()
+        if latest is None:
+            raise UserError("no run given and none recorded yet; pass a run directory or a job id")
+        return RunDir.open(latest)
+    if Path(target).exists():
+        return RunDir.open(target)
+    if _JOB_ID.fullmatch(target):
+        found = runindex.lookup(target)
+        if found is None:
+            raise UserError(
+                f"job {target} is not in the run index {runindex.index_path()}; "
+                "pass its run directory instead"
+            )
+        return RunDir.open(found)
+    raise UserError(f"{target}: no such run directory, and not a Slurm job id")
+
+
+@click.command("status")
+@click.argument("target", required=False, metavar="[RUN_DIR|JOB_ID]")
+@click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON.")
+def status(target: str | None, as_json: bool) -> None:
+    """Show what happened to a run: attempts, failures, requeues, checkpoints, Slurm state."""
+    from hpcelastic.status import build_status, render_text
+
+    st = build_status(resolve_run(target))
+    if as_json:
+        click.echo(json.dumps(st.to_json(), indent=2, default=str))
+        return
+    click.echo(render_text(st))
+    if st.slurm_error:
+        click.echo(
+            f"hpcelastic: warning: could not ask Slurm ({st.slurm_error}); the timeline is still complete",
+            err=True,
+        )
+
+
+def _attempts_with_logs(rd: RunDir) -> list[int]:
+    found = []
+    for d in rd.logs_path.glob("attempt-*"):
+        suffix = d.name.split("-", 1)[1]
+        if d.is_dir() and suffix.isdigit():
+            found.append(int(suffix))
+    return sorted(found)
+
+
+def _ranks_with_logs(attempt_dir: Path) -> list[int]:
+    ranks = []
+    for f in attempt_dir.glob("rank-*.log"):
+        middle = f.name[len("rank-") : -len(".log")]
+        if middle.isdigit():
+            ranks.append(int(middle))
+    return sorted(ranks)
+
+
+def _log_file(rd: RunDir, rank: int, attempt: int | None) -> tuple[Path, int]:
+    attempts = _attempts_with_logs(rd)
+    if not attempts:
+        raise UserError(
+            f"no worker logs yet in {rd.logs_path}; the job may still be pending: "
+            f"see `hpcelastic status {rd.path}`"
+        )
+    if attempt is None:
+        attempt = attempts[-1]
+    elif attempt not in attempts:
+        raise UserError(
+            f"no logs for attempt {attempt} in {rd.path}; attempts with logs: {_numbers(attempts)}"
+        )
+    attempt_dir = rd.logs_path / f"attempt-{attempt}"
+    ranks = _ranks_with_logs(attempt_dir)
+    if rank not in ranks:
+        raise UserError(
+            f"no log for rank {rank} in attempt {attempt} of {rd.path}; "
+            f"ranks with logs: {_numbers(ranks) or 'none'}"
+        )
+    return attempt_dir / f"rank-{rank}.log", attempt
+
+
+def _numbers(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _attempt_over(rd: RunDir, attempt: int) -> str | None:
+    for ev in reversed(rd.events()):
+        kind = ev.get("event")
+        if kind == "attempt_ended" and ev.get("attempt") == attempt:
+            return f"attempt {attempt} ended ({ev.get('reason')})"
+        if kind in ("job_succeeded", "job_failed", "cancelled"):
+            return f"the run ended ({kind})"
+    return None
+
+
+def _follow(rd: RunDir, path: Path, attempt: int) -> None:
+    """Print the file, then what is appended, until the attempt or the run ends (or Ctrl-C)."""
+    out = sys.stdout.buffer
+    last_check = 0.0
+    with open(path, "rb") as f:
+        try:
+            while True:
+                chunk = f.read(1 << 16)
+                if chunk:
+                    out.write(chunk)
+                    out.flush()
+                    continue
+                now = time.monotonic()
+                if now - last_check >= 2.0:
+                    last_check = now
+                    over = _attempt_over(rd, attempt)
+                    if over:
+                        out.write(f.read())
+                        out.flush()
+                        click.echo(f"hpcelastic: {over}; see `hpcelastic status {rd.path}`", err=True)
+                        return
+                time.sleep(FOLLOW_POLL_S)
+        except KeyboardInterrupt:
+            return
+
+
+@click.command("logs")
+@click.argument("run", metavar="RUN_DIR|JOB_ID")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Global rank.")
+@click.option("--attempt", type=click.IntRange(min=0), default=None, help="Attempt number [default: latest].")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the attempt ends.")
+def logs(run: str, rank: int, attempt: int | None, follow: bool) -> None:
+    """Show one rank's worker log of one attempt."""
+    rd = resolve_run(run)
+    path, attempt = _log_file(rd, rank, attempt)
+    if follow:
+        _follow(rd, path, attempt)
+        return
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            sys.stdout.buffer.write(chunk)
+    sys.stdout.buffer.flush()
+
+
+@click.command("cancel")
+@click.argument("run", metavar="RUN_DIR|JOB_ID")
+def cancel(run: str) -> None:
+    """Cancel the run's current Slurm job, whichever attempt it is on; it is not requeued.
+
+    A previous job of the run that is still winding down is cancelled too.
+    """
+    from hpcelastic.jobs import slurm
+    from hpcelastic.requeue import mark_cancelled
+    from hpcelastic.status import ENDED_STATES
+
+    rd = resolve_run(run)
+    current = rd.current_job_id()
+    if current is None:
+        raise UserError(f"{rd.path} has no Slurm job id (never submitted); nothing to cancel")
+    mark_cancelled(rd)
+    states = slurm.query_states(rd.job_ids())
+    active = [j for j in rd.job_ids() if j in states and states[j].state not in ENDED_STATES]
+    if current not in states:
+        active.append(current)  # too new for squeue, or already purged: let scancel say which
+    cancelled: list[str] = []
+    while active:
+        job_id = active.pop()
+        slurm.cancel(job_id)
+        rd.append_event("cancelled", job_id=job_id)
+        cancelled.append(job_id)
+        newest = rd.current_job_id()  # a resubmission racing with us gets cancelled too
+        if not active and newest and newest not in cancelled:
+            active.append(newest)
+    if not cancelled:
+        click.echo(
+            f"job {current} has ended ({states[current].state}); nothing to cancel; no requeue will follow"
+        )
+        return
+    click.echo(f"cancelled job {', '.join(cancelled)} of {rd.path}; see `hpcelastic status {rd.path}`")
+
+
+def _recorded_exit(rd: RunDir, attempt: int) -> int | None:
+    """The exit code an agent already decided for ``attempt``, or None when nobody decided."""
+    ended = None
+    for ev in rd.events():
+        if ev.get("attempt") != attempt:
+            continue
+        if ev.get("event") == "job_failed":
+            return int(ev.get("exit_code", 1))
+        if ev.get("event") in ("attempt_ended", "job_succeeded"):
+            ended = int(ev.get("exit_code", 1))
+    return ended
+
+
+@click.command("finalize")
+@click.option(
+    "--run-dir", "run_dir", required=True, type=click.Path(file_okay=False), help="The run directory."
+)
+@click.option("--exit-code", "exit_code", required=True, type=int, help="srun's exit status.")
+@click.option("--stopped", is_flag=True, help="The batch script's trap saw the stop signal.")
+@click.option("--requeue-mode", type=click.Choice(["requeue", "resubmit"]), default=None)
+@click.option("--max-requeues", type=click.IntRange(min=0), default=None)
+def finalize(
+    run_dir: str, exit_code: int, stopped: bool, requeue_mode: str | None, max_requeues: int | None
+) -> None:
+    """(internal) After srun: exit with the agents' decision, or decide when no agent could."""
+    from hpcelastic import handoff
+    from hpcelastic.requeue import (
+        DEFAULT_MAX_REQUEUES,
+        DEFAULT_MODE,
+        EXIT_CODES,
+        RequeuePolicy,
+        classify_stop_signal,
+        current_job_id,
+    )
+
+    rd = RunDir.open(run_dir)
+    job_id = current_job_id()
+    if job_id is None:
+        attempt = handoff.load(rd).attempt
+    else:
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        attempt = handoff.begin_attempt(rd, job_id, int(restarts) if restarts.isdigit() else 0)
+    recorded = _recorded_exit(rd, attempt)
+    if recorded is not None:
+        sys.exit(recorded)
+    if exit_code == 0:
+        reason = "succeeded"
+    elif exit_code == 2:
+        reason = "startup_failure"  # the agents rejected their own arguments: the next attempt would too
+    elif stopped and job_id:
+        reason = classify_stop_signal(job_id)
+    else:
+        reason = "coordinator_lost"
+    click.echo(
+        f"hpcelastic: the job step ended with exit code {exit_code} and no agent decided; {reason}", err=True
+    )
+    meta = rd.read_meta()
+    policy = RequeuePolicy(
+        requeue_mode or meta.get("requeue_mode") or DEFAULT_MODE,
+        max_requeues if max_requeues is not None else int(meta.get("max_requeues", DEFAULT_MAX_REQUEUES)),
+    )
+    outcome = policy.decide(rd, attempt, reason, EXIT_CODES[reason], [], job_id)
+    sys.exit(outcome.exit_code)

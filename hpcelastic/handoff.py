@@ -1,0 +1,387 @@
+"""The handoff record: the latest published checkpoint, the attempt number and why the last attempt ended.
+
+``<run>/handoff.json`` is rewritten atomically under ``RunDir.locked("handoff")``, so a crash at any
+moment leaves the old record or the new one. A copy of the checkpoint object goes to
+``<checkpoint_dir>/hpcelastic-latest.json`` for scripts that do not use Python. A record that is
+damaged anyway (disk trouble, a hand edit) is rebuilt from that file and the event log; reading it
+never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcelastic.errors import UserError
+from hpcelastic.rundir import RunDir, write_json_atomic
+
+VERSION = 1
+LATEST_FILE = "hpcelastic-latest.json"
+REQUEUE_COUNTERS = ("failure", "preempted", "time_limit", "node_unhealthy")
+RESUME_PLACEHOLDER = "{resume}"
+
+
+def _counters() -> dict[str, int]:
+    return dict.fromkeys(REQUEUE_COUNTERS, 0)
+
+
+@dataclass
+class HandoffRecord:
+    """Contents of ``<run>/handoff.json`` (see docs/ARCHITECTURE.md, "Handoff record")."""
+
+    version: int = VERSION
+    attempt: int = 0
+    job_id: str | None = None
+    restart_count_slurm: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint: dict[str, Any] | None = None
+    last_end: dict[str, Any] | None = None
+    requeues: dict[str, int] = field(default_factory=_counters)
+    bad_nodes: list[str] = field(default_factory=list)
+
+    @property
+    def started(self) -> bool:
+        """True once some allocation called :func:`begin_attempt`."""
+        return self.job_id is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> HandoffRecord:
+        """Validate and convert a parsed record; ``ValueError`` names the first problem."""
+        if not isinstance(obj, dict):
+            raise ValueError("the record is not a JSON object")
+        if obj.get("version") != VERSION:
+            raise ValueError(f"unknown record version {obj.get('version')!r}")
+        if not isinstance(obj.get("attempt"), int) or obj["attempt"] < 0:
+            raise ValueError("'attempt' is not a non-negative integer")
+        ckpt = obj.get("checkpoint")
+        if ckpt is not None and not (isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str)):
+            raise ValueError("'checkpoint' has no 'path'")
+        last_end = obj.get("last_end")
+        if last_end is not None and not isinstance(last_end, dict):
+            raise ValueError("'last_end' is not an object")
+        requeues = _counters()
+        raw = obj.get("requeues") or {}
+        if not isinstance(raw, dict) or not all(isinstance(v, int) for v in raw.values()):
+            raise ValueError("'requeues' is not a map of counters")
+        requeues.update(raw)
+        bad = obj.get("bad_nodes") or []
+        if not isinstance(bad, list):
+            raise ValueError("'bad_nodes' is not a list")
+        rc = obj.get("restart_count_slurm")
+        return cls(
+            attempt=obj["attempt"],
+            job_id=None if obj.get("job_id") is None else str(obj["job_id"]),
+            restart_count_slurm=None if rc is None else int(rc),
+            checkpoint_dir=obj.get("checkpoint_dir"),
+            checkpoint=ckpt,
+            last_end=last_end,
+            requeues=requeues,
+            bad_nodes=[str(n) for n in bad],
+        )
+
+
+def _rundir(run_dir: RunDir | str | os.PathLike[str]) -> RunDir:
+    return run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+
+
+def _warn(message: str) -> None:
+    print(f"hpcelastic: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _read_latest_file(checkpoint_dir: str | None) -> dict[str, Any] | None:
+    if not checkpoint_dir:
+        return None
+    try:
+        obj = json.loads((Path(checkpoint_dir) / LATEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) and isinstance(obj.get("path"), str) else None
+
+
+def _recover(rd: RunDir, error: str) -> HandoffRecord:
+    """Rebuild a record from the event log and ``hpcelastic-latest.json`` after corruption."""
+    rec = HandoffRecord()
+    events = rd.events()
+    ckpt_dirs: list[str] = []
+    for ev in events:
+        kind = ev.get("event")
+        if kind == "attempt_started" and isinstance(ev.get("attempt"), int) and ev["attempt"] >= rec.attempt:
+            rec.attempt = ev["attempt"]
+            rec.job_id = str(ev.get("job_id"))
+            rc = ev.get("restart_count_slurm")
+            rec.restart_count_slurm = int(rc) if isinstance(rc, int) else None
+        elif kind == "checkpoint_published":
+            rec.checkpoint = {k: ev.get(k) for k in ("path", "step", "attempt", "rank")}
+            rec.checkpoint["published_at"] = ev.get("ts")
+            if ev.get("checkpoint_dir") and ev["checkpoint_dir"] not in ckpt_dirs:
+                ckpt_dirs.append(ev["checkpoint_dir"])
+        elif kind == "attempt_ended":
+            rec.last_end = {
+                k: ev.get(k) for k in ("attempt", "reason", "exit_code", "signature", "progressed")
+            }
+            rec.last_end["ts"] = ev.get("ts")
+        elif kind in ("requeued", "resubmitted"):
+            rec.requeues[counter_for(str(ev.get("reason")))] += 1
+            for n in ev.get("exclude") or []:
+                if n not in rec.bad_nodes:
+                    rec.bad_nodes.append(n)
+    for d in ckpt_dirs:
+        latest = _read_latest_file(d)
+        newer = latest and (
+            rec.checkpoint is None
+            or (latest.get("published_at") or 0) > (rec.checkpoint.get("published_at") or 0)
+        )
+        if newer:
+            rec.checkpoint = latest
+    if ckpt_dirs:
+        rec.checkpoint_dir = ckpt_dirs[-1]
+    rd.append_event(
+        "handoff_corrupt",
+        error=error,
+        recovered_attempt=rec.attempt,
+        recovered_checkpoint=(rec.checkpoint or {}).get("path"),
+    )
+    _warn(
+        f"the handoff record {rd.handoff_path} was damaged ({error}); rebuilt it from the event log: "
+        f"attempt {rec.attempt}, checkpoint {(rec.checkpoint or {}).get('path')}"
+    )
+    return rec
+
+
+def _read(rd: RunDir, *, repair: bool) -> tuple[HandoffRecord, bool]:
+    """Read the record; returns (record, was_corrupt). With ``repair`` a corrupt one is rebuilt."""
+    try:
+        text = rd.handoff_path.read_text()
+    except FileNotFoundError:
+        return HandoffRecord(), False
+    except OSError as e:
+        error = f"unreadable: {e.strerror}"
+    else:
+        try:
+            return HandoffRecord.from_json(json.loads(text)), False
+        except (json.JSONDecodeError, ValueError, TypeError) as e:
+            error = f"invalid: {e}"
+    if not repair:
+        return HandoffRecord(), True
+    return _recover(rd, error), True
+
+
+def _write(rd: RunDir, rec: HandoffRecord) -> None:
+    write_json_atomic(rd.handoff_path, rec.to_json())
+
+
+@contextlib.contextmanager
+def _update(rd: RunDir) -> Iterator[HandoffRecord]:
+    """Read-modify-write the record under the handoff lock; a corrupt record is repaired first."""
+    with rd.locked("handoff"):
+        rec, _ = _read(rd, repair=True)
+        yield rec
+        _write(rd, rec)
+
+
+def load(run_dir: RunDir | str | os.PathLike[str]) -> HandoffRecord:
+    """The current record: fresh when missing; rebuilt (with a ``handoff_corrupt`` event) when damaged."""
+    rd = _rundir(run_dir)
+    rec, corrupt = _read(rd, repair=False)
+    if not corrupt:
+        return rec
+    with rd.locked("handoff"):
+        rec, corrupt = _read(rd, repair=True)
+        if corrupt:
+            _write(rd, rec)
+    return rec
+
+
+def counter_for(reason: str) -> str:
+    """Which requeue counter a requeue for ``reason`` increments."""
+    return reason if reason in ("preempted", "time_limit", "node_unhealthy") else "failure"
+
+
+def count_requeue(run_dir: RunDir | str | os.PathLike[str], reason: str, bad_nodes: Sequence[str]) -> None:
+    """Count one requeue for ``reason`` and remember the run's excluded nodes."""
+    with _update(_rundir(run_dir)) as rec:
+        key = counter_for(reason)
+        rec.requeues[key] = rec.requeues.get(key, 0) + 1
+        rec.bad_nodes = list(dict.fromkeys([*rec.bad_nodes, *bad_nodes]))
+
+
+def begin_attempt(
+    run_dir: RunDir | str | os.PathLike[str],
+    job_id: str | int,
+    slurm_restart_count: int,
+    nodes: Sequence[str] = (),
+) -> int:
+    """Start (or re-join) the attempt of this allocation and return its number.
+
+    Rank 0 calls it once per allocation. The same ``job_id`` and restart count return the
+    same attempt without a new event, so re-running it in one allocation (agent, then
+    ``finalize``) never bumps the number. A new allocation gets the next number and an
+    ``attempt_started`` event.
+    """
+    rd = _rundir(run_dir)
+    with rd.locked("handoff"):
+        for stale in rd.path.glob(f".{rd.handoff_path.name}.*"):  # temp files of writers killed mid-write
+            stale.unlink(missing_ok=True)
+        rec, _ = _read(rd, repair=True)
+        if rec.job_id == str(job_id) and rec.restart_count_slurm == int(slurm_restart_count):
+            return rec.attempt
+        if rec.started:
+            rec.attempt += 1
+        rec.job_id = str(job_id)
+        rec.restart_count_slurm = int(slurm_restart_count)
+        attempt = rec.attempt
+        _write(rd, rec)
+    rd.append_event(
+        "attempt_started",
+        attempt=attempt,
+        job_id=str(job_id),
+        restart_count_slurm=int(slurm_restart_count),
+        nodes=list(nodes),
+    )
+    return attempt
+
+
+def _check_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> Path:
+    d = Path(checkpoint_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create the checkpoint dir {d}: {e.strerror}; pass a writable --checkpoint-dir"
+        ) from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UserError(f"the checkpoint dir {d} is not writable; pass a writable --checkpoint-dir")
+    return d
+
+
+def write_latest_file(checkpoint_dir: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Path:
+    """Atomically write ``<checkpoint_dir>/hpcelastic-latest.json`` (the documented non-Python contract)."""
+    d = _check_checkpoint_dir(checkpoint_dir)
+    target = d / LATEST_FILE
+    write_json_atomic(target, checkpoint, mode=0o644)
+    return target
+
+
+def publish(
+    run_dir: RunDir | str | os.PathLike[str],
+    checkpoint_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    step: int,
+    attempt: int,
+    rank: int,
+) -> dict[str, Any]:
+    """Mark the checkpoint at ``path`` complete: it becomes what the next start resumes from.
+
+    Raises :class:`UserError` (and logs ``checkpoint_rejected``) when ``path`` does not exist or
+    the checkpoint dir cannot be written; the previous record then stays in force.
+    """
+    rd = _rundir(run_dir)
+    p = Path(os.path.abspath(path))
+    if not p.exists():
+        rd.append_event(
+            "checkpoint_rejected", path=str(p), step=step, attempt=attempt, rank=rank, why="missing"
+        )
+        raise UserError(
+            f"cannot publish checkpoint {p}: it does not exist; save it completely, then publish it"
+        )
+    ckpt = {
+        "path": str(p),
+        "step": int(step),
+        "attempt": int(attempt),
+        "rank": int(rank),
+        "published_at": time.time(),
+    }
+    ckpt_dir = str(Path(os.path.abspath(checkpoint_dir)))
+    try:
+        write_latest_file(ckpt_dir, ckpt)
+    except (UserError, OSError) as e:
+        rd.append_event("checkpoint_rejected", path=str(p), step=step, attempt=attempt, rank=rank, why=str(e))
+        raise UserError(str(e)) from None
+    with _update(rd) as rec:
+        rec.checkpoint = ckpt
+        rec.checkpoint_dir = ckpt_dir
+    rd.append_event(
+        "checkpoint_published",
+        path=str(p),
+        step=int(step),
+        attempt=int(attempt),
+        rank=int(rank),
+        checkpoint_dir=ckpt_dir,
+    )
+    return ckpt
+
+
+def record_attempt_end(
+    run_dir: RunDir | str | os.PathLike[str],
+    attempt: int,
+    reason: str,
+    exit_code: int,
+    *,
+    signature: str | None = None,
+    progressed: bool = False,
+) -> bool:
+    """Record why ``attempt`` ended (``last_end`` and an ``attempt_ended`` event).
+
+    Only the first call per attempt writes and returns True; later calls change nothing.
+    """
+    rd = _rundir(run_dir)
+    end = {
+        "attempt": int(attempt),
+        "reason": reason,
+        "exit_code": int(exit_code),
+        "signature": signature,
+        "progressed": bool(progressed),
+        "ts": time.time(),
+    }
+    with rd.locked("handoff"):
+        rec, _ = _read(rd, repair=True)
+        if rec.last_end is not None and rec.last_end.get("attempt") == attempt:
+            return False
+        rec.last_end = end
+        _write(rd, rec)
+    rd.append_event("attempt_ended", **{k: v for k, v in end.items() if k != "ts"})
+    return True
+
+
+def _published_paths_newest_first(rd: RunDir) -> list[str]:
+    paths = [
+        str(ev["path"]) for ev in rd.events() if ev.get("event") == "checkpoint_published" and ev.get("path")
+    ]
+    return list(dict.fromkeys(reversed(paths)))
+
+
+def resume_path(run_dir: RunDir | str | os.PathLike[str]) -> str | None:
+    """The newest published checkpoint that still exists, or None.
+
+    When the latest one was deleted, an older published one is used and a ``checkpoint_missing``
+    event says so; a half-written checkpoint is never returned because it was never published.
+    """
+    rd = _rundir(run_dir)
+    rec = load(rd)
+    if rec.checkpoint is None:
+        return None
+    latest = rec.checkpoint["path"]
+    if Path(latest).exists():
+        return latest
+    fallback = next((p for p in _published_paths_newest_first(rd) if p != latest and Path(p).exists()), None)
+    rd.append_event("checkpoint_missing", path=latest, fallback=fallback)
+    _warn(
+        f"the published checkpoint {latest} no longer exists; "
+        + (f"resuming from the older {fallback}" if fallback else "starting from scratch")
+    )
+    return fallback
+
+
+def expand_resume(args: Sequence[str], resume: str | None) -> list[str]:
+    """Replace ``{resume}`` in the script's arguments with the handed-off path ("" when none)."""
+    return [a.replace(RESUME_PLACEHOLDER, resume or "") for a in args]

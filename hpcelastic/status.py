@@ -1,0 +1,252 @@
+"""What happened to a run: a timeline from its event log plus the current Slurm state.
+
+Cheap by design: the event log is one local file, and Slurm is asked once (one ``squeue`` for
+every job id the run ever had), however many attempts there were.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
+from hpcelastic.jobs import slurm
+from hpcelastic.rundir import RunDir
+
+ENDED_STATES = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the timeline."""
+
+    ts: float
+    what: str
+    details: str
+    event: str
+
+
+@dataclass
+class Status:
+    """Everything ``hpcelastic status`` shows; ``--json`` prints exactly this."""
+
+    run_dir: str
+    job_ids: list[str]
+    current_job_id: str | None
+    attempt: int | None
+    outcome: str
+    checkpoint: dict[str, Any] | None
+    slurm: dict[str, dict[str, str]]
+    slurm_error: str | None
+    timeline: list[Row] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["timeline"] = [{**asdict(r), "time": format_ts(r.ts)} for r in self.timeline]
+        return out
+
+
+def format_ts(ts: float) -> str:
+    """Local time as ``YYYY-mm-dd HH:MM:SS``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _exit(code: Any) -> str:
+    meaning = EXIT_CODE_MEANINGS.get(code) if isinstance(code, int) else None
+    return f"exit {code}" + (f": {meaning}" if meaning else "")
+
+
+def _failure(e: Mapping[str, Any]) -> str:
+    where = f"rank {e.get('rank')} on {e.get('node')}"
+    how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
+    error = str(e.get("error") or "").strip().splitlines()
+    return f"{where}, {how}" + (f": {error[-1]}" if error else "")
+
+
+def _nodes(names: Any) -> str:
+    return ",".join(names) if isinstance(names, list) and names else "none"
+
+
+_RENDER: dict[str, Callable[[Mapping[str, Any]], tuple[str, str] | None]] = {
+    "submitted": lambda e: (
+        "submitted",
+        f"job {e.get('job_id')} ({e.get('backend', 'sbatch')}, nodes {e.get('nodes')})",
+    ),
+    "attempt_started": lambda e: (
+        f"attempt {e.get('attempt')} started",
+        f"job {e.get('job_id')} on {_nodes(e.get('nodes'))} (restart count {e.get('restart_count_slurm')})",
+    ),
+    "rendezvous": lambda e: (
+        f"rendezvous round {e.get('round')}",
+        f"world size {e.get('world_size')} on {_nodes(e.get('hosts'))}",
+    ),
+    "root_cause": lambda e: ("failure (root cause)", _failure(e)),
+    "node_lost": lambda e: ("node lost", f"{e.get('node')}: {e.get('reason')}"),
+    "node_unhealthy": lambda e: ("node unhealthy", f"{e.get('node')} GPU {e.get('gpu')}: {e.get('reason')}"),
+    "restarting": lambda e: (
+        "restarting",
+        f"restart {e.get('restart_count')} of {e.get('max_restarts')}: {e.get('reason')}",
+    ),
+    "signal_received": lambda e: ("signal received", f"{e.get('signal')} on node {e.get('node_rank')}"),
+    "attempt_ended": lambda e: (
+        f"attempt {e.get('attempt')} ended",
+        f"{e.get('reason')} ({_exit(e.get('exit_code'))})",
+    ),
+    "requeued": lambda e: (
+        f"requeued as attempt {e.get('attempt')}",
+        f"{e.get('reason')}; job {e.get('job_id')}; excluded nodes {_nodes(e.get('exclude'))}"
+        + (f"; took {e['duration_s']:.2f} s" if isinstance(e.get("duration_s"), (int, float)) else ""),
+    ),
+    "resubmitted": lambda e: (
+        f"resubmitted as attempt {e.get('attempt')}",
+        f"{e.get('reason')}; new job {e.get('job_id')} after {e.get('previous_job_id')}; "
+        f"excluded nodes {_nodes(e.get('exclude'))}",
+    ),
+    "requeue_failed": lambda e: ("requeue failed", f"{e.get('error')} (fallback: {e.get('fallback')})"),
+    "requeue_skipped": lambda e: ("not requeued", str(e.get("detail") or e.get("reason"))),
+    "job_succeeded": lambda e: ("job succeeded", _exit(e.get("exit_code"))),
+    "job_failed": lambda e: ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})"),
+    "cancelled": lambda e: ("cancelled", f"job {e.get('job_id')} by the user"),
+    "handoff_corrupt": lambda e: (
+        "handoff record rebuilt",
+        f"{e.get('error')}; recovered checkpoint {e.get('recovered_checkpoint')}",
+    ),
+    "checkpoint_missing": lambda e: ("checkpoint missing", f"{e.get('path')}; using {e.get('fallback')}"),
+    "checkpoint_rejected": lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
+}
+_QUIET = {"workers_started", "worker_failed"}
+
+
+def _checkpoint_rows(batch: Sequence[Mapping[str, Any]]) -> Row:
+    last = batch[-1]
+    if len(batch) == 1:
+        return Row(
+            last["ts"], "checkpoint published", f"step {last.get('step')}: {last.get('path')}", last["event"]
+        )
+    steps = f"steps {batch[0].get('step')}..{last.get('step')}"
+    return Row(
+        last["ts"],
+        f"{len(batch)} checkpoints published",
+        f"{steps}, latest {last.get('path')}",
+        last["event"],
+    )
+
+
+def timeline(events: Sequence[Mapping[str, Any]]) -> list[Row]:
+    """The events as rows; consecutive checkpoint publications collapse into one row."""
+    rows: list[Row] = []
+    batch: list[Mapping[str, Any]] = []
+    for e in events:
+        kind = e.get("event")
+        if kind == "checkpoint_published":
+            batch.append(e)
+            continue
+        if batch:
+            rows.append(_checkpoint_rows(batch))
+            batch = []
+        if kind in _QUIET:
+            continue
+        render = _RENDER.get(str(kind))
+        shown = (
+            render(e)
+            if render
+            else (str(kind), ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("ts", "event", "host")))
+        )
+        if shown is not None:
+            rows.append(Row(float(e.get("ts", 0)), shown[0], shown[1], str(kind)))
+    if batch:
+        rows.append(_checkpoint_rows(batch))
+    return rows
+
+
+def _outcome(events: Sequence[Mapping[str, Any]], current: slurm.JobState | None) -> str:
+    for e in reversed(events):
+        kind = e.get("event")
+        if kind == "job_succeeded":
+            return "succeeded"
+        if kind == "job_failed":
+            return f"failed ({e.get('reason')})"
+        if kind == "cancelled":
+            return "cancelled"
+        if kind in ("requeued", "resubmitted"):
+            break
+    if current is None:
+        return "unknown"
+    if current.state in ENDED_STATES:
+        return f"ended ({current.state.lower()})"
+    return current.state.lower()
+
+
+def build_status(
+    rd: RunDir, query: Callable[[Sequence[str]], Mapping[str, slurm.JobState]] = slurm.query_states
+) -> Status:
+    """Read the run's events and ask Slurm once about all of its job ids."""
+    events = rd.events()
+    job_ids = rd.job_ids()
+    current = rd.current_job_id()
+    states: Mapping[str, slurm.JobState] = {}
+    error = None
+    if job_ids:
+        try:
+            states = query(job_ids)
+        except SlurmError as e:
+            error = str(e)
+    attempts = [
+        e["attempt"]
+        for e in events
+        if e.get("event") == "attempt_started" and isinstance(e.get("attempt"), int)
+    ]
+    published = [e for e in events if e.get("event") == "checkpoint_published"]
+    checkpoint = {k: published[-1].get(k) for k in ("path", "step", "attempt", "rank")} if published else None
+    return Status(
+        run_dir=str(rd.path),
+        job_ids=job_ids,
+        current_job_id=current,
+        attempt=max(attempts) if attempts else None,
+        outcome=_outcome(events, states.get(current) if current else None),
+        checkpoint=checkpoint,
+        slurm={jid: {"state": s.state, "reason": s.reason, "nodes": s.nodes} for jid, s in states.items()},
+        slurm_error=error,
+        timeline=timeline(events),
+    )
+
+
+def render_text(st: Status) -> str:
+    """The human view: a short header, then one line per timeline row."""
+    cur = st.slurm.get(st.current_job_id or "")
+    if cur:
+        slurm_line = f"{cur['state']}" + (f" ({cur['reason']})" if cur["reason"] not in ("None", "") else "")
+        slurm_line += f" on {cur['nodes']}" if cur["nodes"] else ""
+    elif st.slurm_error:
+        slurm_line = f"unknown: {st.slurm_error}"
+    else:
+        slurm_line = "no longer known to Slurm (finished)" if st.current_job_id else "never submitted"
+    ckpt = st.checkpoint
+    lines = [
+        f"run         {st.run_dir}",
+        f"job         {st.current_job_id or '-'}"
+        + (f" (all: {', '.join(st.job_ids)})" if len(st.job_ids) > 1 else ""),
+        f"slurm       {slurm_line}",
+        f"attempt     {st.attempt if st.attempt is not None else '-'}",
+        f"outcome     {st.outcome}",
+        "checkpoint  " + (f"step {ckpt.get('step')}: {ckpt.get('path')}" if ckpt else "none published"),
+        "",
+    ]
+    width = max((len(r.what) for r in st.timeline), default=10)
+    for r in st.timeline:
+        lines.append(f"{format_ts(r.ts)}  {r.what:<{width}}  {r.details}")
+    if not st.timeline:
+        lines.append("(no events yet)")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""The status timeline built from a synthetic event log and one (stand-in) Slurm query."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.errors import SlurmError
+from hpcelastic.jobs.slurm import JobState
+from hpcelastic.rundir import RunDir
+from hpcelastic.status import build_status, render_text
+
+EVENTS = [
+    {"ts": 100.0, "event": "submitted", "job_id": "11", "backend": "sbatch", "nodes": 2},
+    {
+        "ts": 110.0,
+        "event": "attempt_started",
+        "attempt": 0,
+        "job_id": "11",
+        "restart_count_slurm": 0,
+        "nodes": ["n1"],
+    },
+    {"ts": 111.0, "event": "rendezvous", "round": 0, "hosts": ["n1", "n2"], "world_size": 4},
+    {"ts": 112.0, "event": "workers_started", "round": 0, "world_size": 4},
+    {"ts": 120.0, "event": "checkpoint_published", "path": "/c/s10.pt", "step": 10, "attempt": 0, "rank": 0},
+    {"ts": 130.0, "event": "checkpoint_published", "path": "/c/s20.pt", "step": 20, "attempt": 0, "rank": 0},
+    {"ts": 131.0, "event": "worker_failed", "rank": 3, "node": "n2", "exitcode": 1, "error": "victim"},
+    {
+        "ts": 131.5,
+        "event": "root_cause",
+        "rank": 1,
+        "node": "n1",
+        "exitcode": 1,
+        "error": "Traceback\nValueError: x",
+    },
+    {
+        "ts": 132.0,
+        "event": "restarting",
+        "round": 1,
+        "restart_count": 1,
+        "max_restarts": 1,
+        "reason": "worker failed",
+    },
+    {"ts": 140.0, "event": "node_unhealthy", "node": "n2", "gpu": 0, "reason": "XID 79"},
+    {"ts": 141.0, "event": "attempt_ended", "attempt": 0, "reason": "node_unhealthy", "exit_code": 7},
+    {
+        "ts": 141.5,
+        "event": "resubmitted",
+        "job_id": "12",
+        "previous_job_id": "11",
+        "exclude": ["n2"],
+        "reason": "node_unhealthy",
+        "attempt": 1,
+    },
+    {
+        "ts": 150.0,
+        "event": "attempt_started",
+        "attempt": 1,
+        "job_id": "12",
+        "restart_count_slurm": 0,
+        "nodes": ["n1"],
+    },
+    {"ts": 151.0, "event": "custom_thing", "answer": 42},
+]
+
+
+@pytest.fixture
+def rd(tmp_path: Path) -> RunDir:
+    r = RunDir.create(tmp_path / "run")
+    r.events_path.write_text("".join(json.dumps(e) + "\n" for e in EVENTS) + '{"ts": 160, "event": "torn')
+    return r
+
+
+def test_timeline_rows_and_single_slurm_query(rd: RunDir) -> None:
+    asked: list[list[str]] = []
+
+    def query(ids: Sequence[str]) -> Mapping[str, JobState]:
+        asked.append(list(ids))
+        return {"12": JobState("12", "RUNNING", "None", "n1,n3")}
+
+    st = build_status(rd, query)
+
+    assert asked == [["11", "12"]]  # one query for every job id of the run
+    assert st.job_ids == ["11", "12"] and st.current_job_id == "12" and st.attempt == 1
+    assert st.outcome == "running"
+    assert st.checkpoint == {"path": "/c/s20.pt", "step": 20, "attempt": 0, "rank": 0}
+    whats = [r.what for r in st.timeline]
+    assert whats == [
+        "submitted",
+        "attempt 0 started",
+        "rendezvous round 0",
+        "2 checkpoints published",
+        "failure (root cause)",
+        "restarting",
+        "node unhealthy",
+        "attempt 0 ended",
+        "resubmitted as attempt 1",
+        "attempt 1 started",
+        "custom_thing",
+    ]
+    details = {r.what: r.details for r in st.timeline}
+    assert details["failure (root cause)"] == "rank 1 on n1, exit code 1: ValueError: x"
+    assert "steps 10..20" in details["2 checkpoints published"]
+    assert (
+        "new job 12 after 11" in details["resubmitted as attempt 1"]
+        and "n2" in details["resubmitted as attempt 1"]
+    )
+    assert details["custom_thing"] == "answer=42"
+
+    text = render_text(st)
+    assert "RUNNING on n1,n3" in text and "step 20: /c/s20.pt" in text
+
+    as_json = json.loads(json.dumps(st.to_json()))
+    assert [r["what"] for r in as_json["timeline"]] == whats
+    assert as_json["slurm"]["12"]["state"] == "RUNNING"
+
+
+def test_slurm_unreachable_keeps_the_timeline(rd: RunDir) -> None:
+    def query(ids: Sequence[str]) -> Mapping[str, JobState]:
+        raise SlurmError("squeue failed: Unable to contact slurm controller", transient=True)
+
+    st = build_status(rd, query)
+    assert st.slurm_error and "Unable to contact" in st.slurm_error
+    assert len(st.timeline) == 11 and st.outcome == "unknown"
+    assert "unknown: squeue failed" in render_text(st)
+
+
+def test_finished_run_outcome(tmp_path: Path) -> None:
+    r = RunDir.create(tmp_path / "run")
+    r.append_event("submitted", job_id="5")
+    r.append_event("attempt_ended", attempt=0, reason="startup_failure", exit_code=8)
+    r.append_event("job_failed", attempt=0, reason="startup_failure", exit_code=8)
+    st = build_status(r, lambda ids: {})
+    assert st.outcome == "failed (startup_failure)"
+    assert "identically before training started" in render_text(st)
