@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from hpcelastic import __version__
+from hpcelastic import __version__, runindex
 from hpcelastic.errors import UserError
 from hpcelastic.jobs.render import JobRequest
 from hpcelastic.rundir import RunDir, write_atomic
@@ -112,6 +112,7 @@ def submit_request(
         run.append_event(
             "submitted", job_id=job_id, backend=backend.name, nodes=spec.nodes_text, script=spec.script
         )
+        runindex.record_job(job_id, run.path)
     except BaseException:
         shutil.rmtree(created_root or run.path, ignore_errors=True)
         raise

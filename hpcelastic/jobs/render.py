@@ -80,7 +80,8 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
         if value:
             out.append(_option(name, value))
     out += [
-        _option("requeue"),
+        # In resubmit mode hpcelastic chains a new job itself; Slurm must not requeue this one too.
+        _option("requeue" if spec.requeue_mode == "requeue" else "no-requeue"),
         _option("signal", f"B:{spec.signal}@{spec.signal_lead_s}"),
         _option("output", str(Path(spec.run_dir) / "slurm-%j.out")),
         _option("open-mode", "append"),
