@@ -113,4 +113,4 @@ def test_signal_to_the_batch_shell_reaches_every_agent(tmp_path: Path) -> None:
     agents = [json.loads(p.read_text()) for p in run.glob("rec-agent-*.json")]
     assert sorted(a["signal"] for a in agents) == ["USR2", "USR2"]
     (fin,) = [json.loads(p.read_text()) for p in run.glob("rec-finalize-*.json")]
-    assert fin["argv"][-2:] == ["--exit-code", "0"]
+    assert fin["argv"][-3:] == ["--exit-code", "0", "--stopped"]
