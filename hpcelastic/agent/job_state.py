@@ -125,7 +125,7 @@ class JobState:
     def lost(self, node_rank: int, reason: str, *, unhealthy: bool = False) -> list[Action]:
         """An agent's connection closed or went silent, or it left because its node is bad."""
         member = self.members.pop(node_rank, None)
-        if member is None:
+        if member is None or self.phase == "finished":
             return []
         if unhealthy:
             self.bad_nodes.append(member.host)

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -151,12 +152,17 @@ def read_error_file(path: Path) -> tuple[str, str] | None:
     return None
 
 
+_TORCH_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+
+
 def traceback_from_tail(lines: list[str]) -> tuple[str, str] | None:
-    """(error, traceback) from the last Python traceback in a worker's output, or None."""
-    start = max(
-        (i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")),
-        default=-1,
-    )
+    """(error, traceback) from the last Python traceback in a worker's output, or None.
+
+    torch.distributed prefixes an uncaught exception's lines with ``[rankN]:``; that is removed.
+    """
+    lines = [_TORCH_RANK_PREFIX.sub("", line) for line in lines]
+    marker = "Traceback (most recent call last)"
+    start = max((i for i, line in enumerate(lines) if line.startswith(marker)), default=-1)
     if start < 0:
         return None
     tb = lines[start : start + TRACEBACK_LINES]
