@@ -215,8 +215,9 @@ class Coordinator:
         conn.session = session
         conn.node_rank = node_rank
         self._by_rank[node_rank] = conn
+        actions = self.state.join(node_rank, str(hello.get("host", "")), int(hello.get("nproc", 1)))
         self._send(conn, {"t": "welcome", "round": self.state.round, "session": self.session})
-        self._apply(self.state.join(node_rank, str(hello.get("host", "")), int(hello.get("nproc", 1))))
+        self._apply(actions)
 
     def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
         t, n, st = msg["t"], conn.node_rank, self.state

@@ -70,14 +70,12 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> list[str]:
     ]
 
 
-def run_local(spec: LocalRun) -> int:
-    """Start the agents, forward signals to them, wait; the job's exit code (agent 0's decision)."""
+def start_agents(spec: LocalRun) -> tuple[RunDir, list[subprocess.Popen[bytes]]]:
+    """Create the run directory and secret, and start the agents (agent i has local node rank i)."""
     run_dir = RunDir.create(spec.run_dir or default_run_dir())
     run_dir.create_secret()
     listener = listen("127.0.0.1", 0)
-    port = listener.getsockname()[1]
-    print(f"hpcelastic: run directory {run_dir.path}", file=sys.stderr, flush=True)
-    cmd = agent_command(spec, run_dir, port)
+    cmd = agent_command(spec, run_dir, listener.getsockname()[1])
     agents: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(spec.max_nodes):
@@ -93,8 +91,20 @@ def run_local(spec: LocalRun) -> int:
                 env["HPCELASTIC_COORDINATOR_FD"] = str(listener.fileno())
                 pass_fds = (listener.fileno(),)
             agents.append(subprocess.Popen(cmd, env=env, pass_fds=pass_fds, preexec_fn=_die_with_parent))
+    except BaseException:
+        for a in agents:
+            a.kill()
+            a.wait()
+        raise
     finally:
         listener.close()
+    return run_dir, agents
+
+
+def run_local(spec: LocalRun) -> int:
+    """Start the agents, forward signals to them, wait; the job's exit code (agent 0's decision)."""
+    run_dir, agents = start_agents(spec)
+    print(f"hpcelastic: run directory {run_dir.path}", file=sys.stderr, flush=True)
     previous = {s: signal.signal(s, lambda signum, _f: _forward(agents, signum)) for s in FORWARDED}
     try:
         codes = [a.wait() for a in agents]
@@ -102,12 +112,8 @@ def run_local(spec: LocalRun) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = job_exit_code(codes)
-    print(
-        f"hpcelastic: job {'succeeded' if code == EXIT_OK else 'failed'} (exit code {code}); "
-        f"events in {run_dir.events_path}",
-        file=sys.stderr,
-        flush=True,
-    )
+    outcome = "succeeded" if code == EXIT_OK else "failed"
+    print(f"hpcelastic: job {outcome} (exit code {code}); events in {run_dir.events_path}", file=sys.stderr)
     return code
 
 

@@ -3,13 +3,15 @@
 Detected from the launcher's environment variables before mpi4py is imported; mpi4py is then used
 once, for the bootstrap: rank 0 binds port 0 (no race), and broadcasts its address, the port, the
 job secret and the run directory. The workers' environment is cleaned of the launcher's variables so
-a worker that uses MPI itself does not pose as the agent's rank.
+a worker that uses MPI itself does not pose as the agent's rank. Start it with
+``mpirun --map-by ppr:1:node --bind-to none``: one agent per node, not pinned to one core.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -55,6 +57,12 @@ class MPIEnvironment(Environment):
         comm = _comm()
         hosts = tuple(comm.allgather(socket.gethostname()))
         self._same_host = len(set(hosts)) == 1
+        if len(os.sched_getaffinity(0)) == 1 and (os.cpu_count() or 1) > 1:
+            print(
+                "hpcelastic: mpirun bound this agent (and so its workers) to one CPU; "
+                "start it with `mpirun --bind-to none` (Open MPI) so the workers can use the node",
+                file=sys.stderr,
+            )
         rank, size = comm.Get_rank(), comm.Get_size()
         names = tuple(f"{h}-{i}" if hosts.count(h) > 1 else h for i, h in enumerate(hosts))
         return NodeContext(
