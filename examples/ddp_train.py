@@ -97,6 +97,8 @@ def inject_fault(args: argparse.Namespace, step: int, rank: int, restart: int) -
     if step != args.crash_at_step:
         return
     if args.timing_dir:
+        if (args.timing_dir / "crash.json").exists():
+            return  # crash once per run, even where a launcher does not count restarts (torchrun)
         write_json(args.timing_dir / "crash.json", {"ts": time.time(), "rank": rank, "step": step})
     if args.crash_mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -116,7 +118,7 @@ def main() -> None:
     if args.timing_dir:
         args.timing_dir.mkdir(parents=True, exist_ok=True)
         write_json(
-            args.timing_dir / f"worker-r{restart}-rank{rank}.json",
+            args.timing_dir / f"worker-{os.getpid()}.json",
             {"start": T_START, "init": t_init, "restart": restart, "rank": rank, "pid": os.getpid()},
         )
     torch.manual_seed(0)

@@ -283,7 +283,9 @@ class JobState:
                 "node": self.members[node_rank].host if node_rank in self.members else "",
             }
             self.failures.append(f)
-            actions.append(event("worker_failed", **{k: f.get(k) for k in FAILURE_FIELDS}))
+            actions.append(
+                event("worker_failed", **{k: f.get(k) for k in FAILURE_FIELDS}, exit_ts=f.get("ts"))
+            )
         return actions
 
     def _begin_stop(self, reason: str) -> list[Action]:
@@ -351,10 +353,14 @@ class JobState:
                 "node": lost["node"],
                 "error": f"node lost: {lost['reason']}",
                 "traceback": "",
+                "exit_ts": lost["ts"],
             }
         elif self.failures:
             first = min(self.failures, key=lambda f: f.get("ts") or 0.0)
-            cause = {k: first.get(k) for k in FAILURE_FIELDS} | {"traceback": first.get("traceback") or ""}
+            cause = {k: first.get(k) for k in FAILURE_FIELDS} | {
+                "traceback": first.get("traceback") or "",
+                "exit_ts": first.get("ts"),
+            }
         else:
             return []
         where = (
