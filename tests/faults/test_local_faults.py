@@ -234,3 +234,15 @@ def test_agent_with_wrong_secret_is_rejected(local_job, tmp_path) -> None:
     assert proc.returncode == 2
     assert "rejected this agent" in proc.stderr and "secret" in proc.stderr
     job.agents[0].kill()
+
+
+def test_four_nodes_worker_killed_mid_run_matches_fault_free(local_job) -> None:
+    reference = local_job(nodes="4")
+    assert reference.wait() == [0, 0, 0, 0]
+    job = local_job(
+        nodes="4", train_args=("--crash-at-step", "7", "--crash-rank", "6", "--crash-mode", "sigkill")
+    )
+    assert job.wait() == [0, 0, 0, 0]
+    assert [e["restart_count"] for e in job.events("rendezvous")] == [0, 1]
+    assert [e["world_size"] for e in job.events("workers_started")] == [8, 8]
+    assert job.final_params() == reference.final_params()
