@@ -196,7 +196,7 @@ def heartbeat(step: int) -> None:
     path = os.environ.get(ENV_HEARTBEAT_SOCKET)
     if not path:
         return
-    payload = json.dumps({"rank": rank(), "step": int(step), "ts": time.time()}).encode()
+    payload = json.dumps({"rank": rank(), "pid": os.getpid(), "step": int(step), "ts": time.time()}).encode()
     try:
         if _heartbeat_sock is None:
             _heartbeat_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

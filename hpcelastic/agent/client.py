@@ -1,0 +1,133 @@
+"""The agent's side of the control plane: one authenticated connection to the coordinator.
+
+A reader thread hands every message to a callback as it arrives (events are pushed, never polled);
+a heartbeat thread sends a heartbeat every ``heartbeat_interval`` and reports the coordinator lost
+when nothing arrived for ``heartbeat_timeout`` seconds. Both keep running while the agent's main
+thread is busy stopping workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpcelastic.agent import protocol
+
+RETRY_DELAY = 0.1
+
+
+class CoordinatorUnreachable(Exception):
+    """The coordinator did not accept a connection before the deadline."""
+
+
+class CoordinatorClient:
+    """Connects, authenticates, then delivers messages to ``on_message`` from its own thread."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: str,
+        *,
+        on_message: Callable[[dict[str, Any]], None],
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 2.0,
+    ) -> None:
+        self.host, self.port = host, port
+        self._secret = secret
+        self._on_message = on_message
+        self._hb_interval = heartbeat_interval
+        self._hb_timeout = heartbeat_timeout
+        self._sock: socket.socket | None = None
+        self._session: protocol.Session | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._last_recv = time.monotonic()
+
+    def connect(self, hello: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
+
+        Raises :class:`CoordinatorUnreachable`, or :class:`protocol.AuthError` when the coordinator
+        rejects this agent's secret, or :class:`protocol.ProtocolError` when it refuses the agent.
+        """
+        deadline = time.monotonic() + timeout
+        last_error = "no attempt"
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(0.5, min(5.0, timeout)))
+            except OSError as e:
+                last_error = e.strerror or str(e)
+                if time.monotonic() + RETRY_DELAY >= deadline:
+                    raise CoordinatorUnreachable(
+                        f"cannot reach the coordinator at {self.host}:{self.port} within {timeout:g} s "
+                        f"({last_error})"
+                    ) from None
+                time.sleep(RETRY_DELAY)
+                continue
+            break
+        try:
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._session, welcome = protocol.client_handshake(sock, self._secret, hello)
+            # Reads and writes give up after this long: a hung coordinator cannot block the agent.
+            sock.settimeout(self._hb_timeout + 1.0)
+        except (OSError, protocol.ProtocolError):
+            sock.close()
+            raise
+        self._sock = sock
+        self._last_recv = time.monotonic()
+        return welcome
+
+    def start(self) -> None:
+        """Start the reader and heartbeat threads."""
+        threading.Thread(target=self._reader, name="hpcelastic-client-reader", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="hpcelastic-client-heartbeat", daemon=True).start()
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Send one message; False when the connection is gone (the loss is reported separately)."""
+        if self._sock is None or self._session is None or self._closed.is_set():
+            return False
+        with self._lock:
+            try:
+                self._sock.sendall(self._session.encode(msg))
+            except OSError:
+                return False
+        return True
+
+    def close(self) -> None:
+        """Close the connection; no loss is reported after this."""
+        self._closed.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+
+    def _lost(self, reason: str) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._on_message({"t": "lost", "reason": reason})
+
+    def _reader(self) -> None:
+        assert self._sock is not None and self._session is not None
+        try:
+            while True:
+                msg = self._session.decode(protocol.recv_payload(self._sock))
+                self._last_recv = time.monotonic()
+                if msg["t"] != "hb":
+                    self._on_message(msg)
+        except (OSError, ConnectionError):
+            self._lost("connection to the coordinator closed")
+        except protocol.ProtocolError as e:
+            self._lost(f"bad frame from the coordinator: {e}")
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self._hb_interval):
+            silent = time.monotonic() - self._last_recv
+            if silent > self._hb_timeout:
+                self._lost(f"no heartbeat from the coordinator for {silent:.1f} s")
+                return
+            self.send({"t": "hb"})

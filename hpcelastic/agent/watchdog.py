@@ -1,0 +1,98 @@
+"""Process-tree cleanup that survives a SIGKILLed agent.
+
+Every worker runs in its own session (its pid is its session id). The agent starts this module as
+a tiny separate process (``python -m hpcelastic.agent.watchdog``) and writes ``+SID``/``-SID`` lines
+to its stdin as workers come and go. The agent holds the only write end of that pipe, so when the
+agent dies for any reason (SIGKILL included) the watchdog reads EOF and SIGKILLs every process still
+in a registered session: the workers and their children, which the workers' own parent-death
+signal would not reach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def session_pids(sids: set[int]) -> list[int]:
+    """Pids of every process whose session id is in ``sids`` (one cheap pass over /proc)."""
+    me = os.getpid()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        with contextlib.suppress(OSError):
+            if os.getsid(int(name)) in sids:
+                out.append(int(name))
+    return out
+
+
+def kill_sessions(sids: set[int], sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to every process of the sessions ``sids``; returns how many were signalled."""
+    pids = session_pids(sids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+    return len(pids)
+
+
+class Watchdog:
+    """The agent's handle on its watchdog process."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcelastic.agent.watchdog"],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+        self._lock = threading.Lock()
+
+    def add(self, sid: int) -> None:
+        """Register a worker session."""
+        self._write(f"+{sid}\n")
+
+    def remove(self, sid: int) -> None:
+        """Forget a session whose processes are all gone."""
+        self._write(f"-{sid}\n")
+
+    def close(self) -> None:
+        """Clean shutdown: the watchdog sees EOF with nothing registered and exits."""
+        with self._lock, contextlib.suppress(OSError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+
+    def _write(self, line: str) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+
+
+def main() -> None:
+    """Track sessions from stdin; on EOF, kill what is left of them."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+    sids: set[int] = set()
+    for raw in sys.stdin.buffer:
+        line = raw.strip()
+        if line[:1] == b"+" and line[1:].isdigit():
+            sids.add(int(line[1:]))
+        elif line[:1] == b"-" and line[1:].isdigit():
+            sids.discard(int(line[1:]))
+    for _ in range(5):
+        if sids and kill_sessions(sids):
+            time.sleep(0.05)
+        else:
+            break
+
+
+if __name__ == "__main__":
+    main()

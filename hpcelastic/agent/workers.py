@@ -1,0 +1,358 @@
+"""The node's worker processes: spawn with the torchrun environment, tee logs, see exits, kill trees.
+
+Exits are seen as they happen: each worker's ``pidfd`` sits in the agent's selector. Each worker runs
+in its own session with ``PR_SET_PDEATHSIG`` = SIGKILL (set in the child between fork and exec; it
+fires when the forking *thread* dies, so the agent spawns only from its main thread), and the
+:class:`~hpcelastic.agent.watchdog.Watchdog` kills grandchildren if the agent itself is killed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import psutil
+
+from hpcelastic.agent.watchdog import Watchdog, session_pids
+from hpcelastic.rundir import RunDir
+
+PR_SET_PDEATHSIG = 1
+TAIL_LINES = 200
+TRACEBACK_LINES = 60
+_libc = ctypes.CDLL(None, use_errno=True)
+_OUT_LOCK = threading.Lock()
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the agent's flags fix for every round."""
+
+    argv: tuple[str, ...]
+    nproc: int
+    gpus: tuple[str, ...]
+    run_dir: RunDir
+    attempt: int
+    run_id: str
+    checkpoint_dir: Path
+    heartbeat_socket: str
+    stop_file: Path
+    stop_signal: str
+    environ: Mapping[str, str]
+    node_rank: int
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """This node's part of one round, as the coordinator sent it."""
+
+    round: int
+    restart_count: int
+    max_restarts: int
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_message(cls, msg: Mapping[str, Any]) -> RoundInfo:
+        return cls(**{k: msg[k] for k in cls.__dataclass_fields__})
+
+
+STRIPPED_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "HPCELASTIC_LOCAL_", "HPCELASTIC_COORDINATOR_")
+
+
+def worker_env(cfg: WorkerConfig, rnd: RoundInfo, local_rank: int, error_file: Path) -> dict[str, str]:
+    """The full torchrun environment contract plus the ``HPCELASTIC_*`` variables for one worker."""
+    env = {
+        k: v
+        for k, v in cfg.environ.items()
+        if not k.startswith(STRIPPED_PREFIXES) and k != "HPCELASTIC_SECRET"
+    }
+    rank = rnd.rank_offset + local_rank
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(rnd.group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME="default",
+        LOCAL_WORLD_SIZE=str(cfg.nproc),
+        WORLD_SIZE=str(rnd.world_size),
+        GROUP_WORLD_SIZE=str(rnd.group_world_size),
+        ROLE_WORLD_SIZE=str(rnd.world_size),
+        MASTER_ADDR=rnd.master_addr,
+        MASTER_PORT=str(rnd.master_port),
+        TORCHELASTIC_RESTART_COUNT=str(rnd.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(rnd.max_restarts),
+        TORCHELASTIC_RUN_ID=cfg.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+        HPCELASTIC_RUN_DIR=str(cfg.run_dir.path),
+        HPCELASTIC_ATTEMPT=str(cfg.attempt),
+        HPCELASTIC_CHECKPOINT_DIR=str(cfg.checkpoint_dir),
+        HPCELASTIC_HEARTBEAT_SOCKET=cfg.heartbeat_socket,
+        HPCELASTIC_STOP_FILE=str(cfg.stop_file),
+        HPCELASTIC_STOP_SIGNAL=cfg.stop_signal,
+        HPCELASTIC_NODE_RANK=str(cfg.node_rank),
+    )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cfg.nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
+    resume = latest_checkpoint(cfg.checkpoint_dir)
+    if resume:
+        env["HPCELASTIC_RESUME_FROM"] = resume
+    else:
+        env.pop("HPCELASTIC_RESUME_FROM", None)
+    return env
+
+
+def latest_checkpoint(checkpoint_dir: Path) -> str | None:
+    """The path in ``<checkpoint_dir>/hpcelastic-latest.json`` (the documented handoff file), if any."""
+    try:
+        record = json.loads((checkpoint_dir / "hpcelastic-latest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    path = record.get("path") if isinstance(record, dict) else None
+    return str(path) if path else None
+
+
+def read_error_file(path: Path) -> tuple[str, str] | None:
+    """(error, traceback) from a torch ``record`` error file, or None when there is none."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        extra = message.get("extraInfo") or {}
+        return str(message.get("message", "")), str(extra.get("py_callstack", ""))
+    if isinstance(message, str):
+        return message, ""
+    return None
+
+
+_TORCH_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+
+
+def traceback_from_tail(lines: list[str]) -> tuple[str, str] | None:
+    """(error, traceback) from the last Python traceback in a worker's output, or None.
+
+    torch.distributed prefixes an uncaught exception's lines with ``[rankN]:``; that is removed.
+    """
+    lines = [_TORCH_RANK_PREFIX.sub("", line) for line in lines]
+    marker = "Traceback (most recent call last)"
+    start = max((i for i, line in enumerate(lines) if line.startswith(marker)), default=-1)
+    if start < 0:
+        return None
+    tb = lines[start : start + TRACEBACK_LINES]
+    error = next((line for line in reversed(tb) if line.strip() and not line.startswith(" ")), tb[-1])
+    return error.strip(), "\n".join(tb)
+
+
+@dataclass(eq=False)
+class Worker:
+    """One running (or just exited) worker process."""
+
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    error_file: Path
+    started: float
+    reader: threading.Thread | None = None
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    last_beat: float | None = None
+    step: int | None = None
+    exit_ts: float | None = None
+
+
+class WorkerGroup:
+    """This node's workers for one round at a time, registered in the agent's selector."""
+
+    def __init__(
+        self, cfg: WorkerConfig, selector: selectors.BaseSelector, watchdog: Watchdog, out_fd: int = 1
+    ):
+        self.cfg = cfg
+        self._sel = selector
+        self._watchdog = watchdog
+        self._out_fd = out_fd
+        self.workers: list[Worker] = []
+        self.round: RoundInfo | None = None
+
+    def start(self, rnd: RoundInfo) -> float:
+        """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
+        self.round = rnd
+        argv = [
+            a.replace("{resume}", latest_checkpoint(self.cfg.checkpoint_dir) or "") for a in self.cfg.argv
+        ]
+        log_dir = self.cfg.run_dir.attempt_log_dir(self.cfg.attempt)
+        for local_rank in range(self.cfg.nproc):
+            rank = rnd.rank_offset + local_rank
+            error_file = log_dir / f"error-round{rnd.round}-rank{rank}.json"
+            with contextlib.suppress(FileNotFoundError):
+                error_file.unlink()
+            proc = subprocess.Popen(
+                argv,
+                env=worker_env(self.cfg, rnd, local_rank, error_file),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_child_setup,
+            )
+            self._watchdog.add(proc.pid)
+            worker = Worker(local_rank, rank, proc, os.pidfd_open(proc.pid), error_file, time.time())
+            worker.reader = threading.Thread(
+                target=self._tee, args=(worker,), daemon=True, name=f"tee-rank{rank}"
+            )
+            worker.reader.start()
+            self._sel.register(worker.pidfd, selectors.EVENT_READ, ("worker", worker))
+            self.workers.append(worker)
+        return time.time()
+
+    def running(self) -> list[Worker]:
+        """Workers that have not exited yet."""
+        return [w for w in self.workers if w.exit_ts is None]
+
+    def reap(self, worker: Worker) -> int:
+        """Collect an exited worker (its pidfd was readable); returns its return code."""
+        worker.exit_ts = time.time()
+        code = worker.proc.wait()
+        self._unregister(worker)
+        return code
+
+    def failure(self, worker: Worker, error: str | None = None) -> dict[str, Any]:
+        """What the coordinator and the event log need to know about a failed worker."""
+        assert self.round is not None
+        if worker.reader is not None:
+            worker.reader.join(timeout=1.0)
+        code = worker.proc.returncode
+        sig = signal.Signals(-code).name if code is not None and code < 0 else None
+        found = read_error_file(worker.error_file) or traceback_from_tail(list(worker.tail))
+        if error is None:
+            how = f"killed by {sig}" if sig else f"exited with code {code}"
+            error = f"{how}: {found[0]}" if found and found[0] else how
+        return {
+            "round": self.round.round,
+            "rank": worker.rank,
+            "local_rank": worker.local_rank,
+            "exitcode": code if code is None or code >= 0 else None,
+            "signal": sig,
+            "error": error,
+            "traceback": found[1] if found else "",
+            "ts": worker.exit_ts or time.time(),
+        }
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every running worker (the process itself, as torchrun does)."""
+        for w in self.running():
+            with contextlib.suppress(OSError):
+                w.proc.send_signal(sig)
+
+    def stop(self, grace: float) -> None:
+        """Stop every worker and all their descendants: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        sids = {w.proc.pid for w in self.workers}
+        if not sids:
+            return
+        self._signal_sessions(sids, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        if any(w.proc.poll() is None for w in self.workers) or session_pids(sids):
+            self._signal_sessions(sids, signal.SIGKILL)
+            for w in self.workers:
+                w.proc.wait()
+            others = [p for p in _processes(session_pids(sids))]
+            psutil.wait_procs(others, timeout=2.0)
+        for w in self.workers:
+            if w.exit_ts is None:
+                w.exit_ts = time.time()
+            self._unregister(w)
+            if w.reader is not None:
+                w.reader.join(timeout=1.0)
+            self._watchdog.remove(w.proc.pid)
+        self.workers = []
+
+    def beat(self, rank: int, step: int | None) -> None:
+        """A heartbeat datagram from the worker of global ``rank``.
+
+        Keyed by rank, not pid: a script started through a wrapper (a shell, ``python -m``
+        launchers) beats from a descendant of the process the agent spawned.
+        """
+        for w in self.workers:
+            if w.rank == rank:
+                w.last_beat = time.monotonic()
+                w.step = step
+
+    def stalled(self, timeout: float) -> list[Worker]:
+        """Running workers whose last heartbeat is older than ``timeout`` (armed by the first one)."""
+        now = time.monotonic()
+        return [w for w in self.running() if w.last_beat is not None and now - w.last_beat > timeout]
+
+    def _signal_sessions(self, sids: set[int], sig: int) -> None:
+        for pid in session_pids(sids):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+    def _unregister(self, worker: Worker) -> None:
+        if worker.pidfd >= 0:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(worker.pidfd)
+            os.close(worker.pidfd)
+            worker.pidfd = -1
+
+    def _tee(self, worker: Worker) -> None:
+        """Copy the worker's output to its rank log and, prefixed with the rank, to the agent's output."""
+        assert worker.proc.stdout is not None and self.round is not None
+        prefix = f"[rank{worker.rank}]: ".encode()
+        log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank)
+        with open(log_path, "ab") as log:
+            header = (
+                f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"
+            )
+            log.write(header.encode())
+            _copy_lines(worker.proc.stdout, log, prefix, worker.tail, self._out_fd)
+        worker.proc.stdout.close()
+
+
+def _copy_lines(
+    src: BinaryIO, log: BinaryIO, prefix: bytes, tail: collections.deque[str], out_fd: int
+) -> None:
+    for line in iter(src.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        log.write(line)
+        log.flush()
+        tail.append(line.decode(errors="replace").rstrip("\n"))
+        with _OUT_LOCK, contextlib.suppress(OSError):
+            os.write(out_fd, prefix + line)
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            out.append(psutil.Process(pid))
+    return out

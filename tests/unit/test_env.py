@@ -1,0 +1,113 @@
+"""Environment detection from real environment dictionaries (as srun, mpirun and `run` set them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcelastic.env import LocalEnvironment, MPIEnvironment, SlurmEnvironment, detect_environment
+from hpcelastic.env.base import BootstrapOptions, parse_endpoint, visible_gpus
+from hpcelastic.env.slurm import derived_port
+from hpcelastic.errors import UserError
+from hpcelastic.rundir import RunDir
+
+SRUN = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "gpu[001-003,010]",
+    "SLURM_STEP_NUM_NODES": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_NODEID": "2",
+    "SLURM_RESTART_COUNT": "1",
+    "SLURM_GPUS_ON_NODE": "4",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+}
+
+
+def test_slurm_step_context() -> None:
+    env = detect_environment(SRUN)
+    assert isinstance(env, SlurmEnvironment)
+    ctx = env.context()
+    assert ctx.hosts == ("gpu001", "gpu002", "gpu003", "gpu010")
+    assert (ctx.node_rank, ctx.num_nodes, ctx.host) == (2, 4, "gpu003")
+    assert (ctx.job_id, ctx.restart_count, ctx.gpus) == ("4242", 1, ("0", "1", "2", "3"))
+
+
+def test_slurm_odd_hostlists_expand() -> None:
+    ctx = SlurmEnvironment(
+        {**SRUN, "SLURM_STEP_NODELIST": "b04-[09-10],a[1,2]-ib", "SLURM_NODEID": "0"}
+    ).context()
+    assert ctx.hosts == ("b04-09", "b04-10", "a1-ib", "a2-ib")
+
+
+def test_slurm_gpus_from_count_when_cuda_visible_devices_unset() -> None:
+    env = {k: v for k, v in SRUN.items() if k != "CUDA_VISIBLE_DEVICES"}
+    assert SlurmEnvironment(env).context().gpus == ("0", "1", "2", "3")
+    assert SlurmEnvironment({**env, "SLURM_GPUS_ON_NODE": ""}).context().gpus == ()
+
+
+def test_slurm_several_tasks_per_node_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="ntasks-per-node=1"):
+        SlurmEnvironment({**SRUN, "SLURM_STEP_NUM_TASKS": "8"}).context()
+
+
+def test_slurm_coordinator_port_is_derived_from_job_and_restart() -> None:
+    assert derived_port("4242", 1) == derived_port("4242", 1)
+    assert derived_port("4242", 1) != derived_port("4242", 2)
+    assert 20000 <= derived_port("4242", 1) < 30000
+
+
+def test_slurm_rendezvous_needs_the_secret(tmp_path) -> None:
+    env = SlurmEnvironment({**SRUN, "SLURM_NODEID": "1"})
+    with pytest.raises(UserError, match="secret"):
+        env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path))
+    RunDir(tmp_path).create_secret()
+    rdzv = env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path))
+    assert (rdzv.host, rdzv.port, rdzv.listener) == ("gpu001", derived_port("4242", 1), None)
+    rdzv = env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path, endpoint="head:29400"))
+    assert (rdzv.host, rdzv.port) == ("head", 29400)
+
+
+def test_mpi_detected_from_launcher_variables_before_import() -> None:
+    assert isinstance(
+        detect_environment({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"}), MPIEnvironment
+    )
+    assert isinstance(detect_environment({"PMI_SIZE": "2", "PMI_RANK": "1"}), MPIEnvironment)
+    # srun --mpi=pmi2 also sets PMI_SIZE: the Slurm step wins.
+    assert isinstance(detect_environment({**SRUN, "PMI_SIZE": "4"}), SlurmEnvironment)
+
+
+def test_local_environment_and_default() -> None:
+    env = detect_environment({"HPCELASTIC_LOCAL_NODE_RANK": "1", "HPCELASTIC_LOCAL_NUM_NODES": "3", **SRUN})
+    assert isinstance(env, LocalEnvironment)
+    ctx = env.context()
+    assert (ctx.node_rank, ctx.num_nodes, ctx.hosts) == (1, 3, ("local0", "local1", "local2"))
+    assert ctx.gpus == ("1",)  # four visible GPUs shared out over three local nodes, one each
+    alone = detect_environment({})
+    assert isinstance(alone, LocalEnvironment) and alone.context().num_nodes == 1
+
+
+def test_forced_environment() -> None:
+    assert isinstance(detect_environment({**SRUN, "HPCELASTIC_ENVIRONMENT": "local"}), LocalEnvironment)
+    with pytest.raises(UserError, match="not one of"):
+        detect_environment({"HPCELASTIC_ENVIRONMENT": "k8s"})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("node1:29400", ("node1", 29400)), ("10.0.0.1:80", ("10.0.0.1", 80)), ("[fe80::1]:5", ("fe80::1", 5))],
+)
+def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize("text", ["node1", "node1:", ":80", "node1:99999", "a b:1", "node1:0"])
+def test_unparsable_endpoint_names_the_problem(text: str) -> None:
+    with pytest.raises(UserError, match="HOST:PORT"):
+        parse_endpoint(text)
+
+
+def test_visible_gpus() -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == ("GPU-aa", "GPU-bb")
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) == ()
+    assert visible_gpus({}) == ()

@@ -1,0 +1,188 @@
+"""The worker environment contract, traceback capture and the NVML health decisions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from hpcelastic.agent.health import GpuHealth
+from hpcelastic.agent.workers import (
+    RoundInfo,
+    WorkerConfig,
+    read_error_file,
+    traceback_from_tail,
+    worker_env,
+)
+from hpcelastic.rundir import RunDir
+
+TORCHRUN_VARS = [
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+]
+HPC_VARS = [
+    "HPCELASTIC_RUN_DIR",
+    "HPCELASTIC_ATTEMPT",
+    "HPCELASTIC_CHECKPOINT_DIR",
+    "HPCELASTIC_HEARTBEAT_SOCKET",
+    "HPCELASTIC_STOP_FILE",
+    "HPCELASTIC_STOP_SIGNAL",
+]
+
+
+def config(tmp_path: Path, gpus: tuple[str, ...] = ()) -> WorkerConfig:
+    return WorkerConfig(
+        argv=("python", "train.py"),
+        nproc=2,
+        gpus=gpus,
+        run_dir=RunDir(tmp_path),
+        attempt=1,
+        run_id="4242",
+        checkpoint_dir=tmp_path / "ckpt",
+        heartbeat_socket="/tmp/hb.sock",
+        stop_file=tmp_path / "stop",
+        stop_signal="USR2",
+        environ={"PATH": "/bin", "OMPI_COMM_WORLD_RANK": "3", "HPCELASTIC_SECRET": "x", "KEEP": "1"},
+        node_rank=2,
+    )
+
+
+ROUND = RoundInfo(
+    round=2,
+    restart_count=1,
+    max_restarts=3,
+    group_rank=1,
+    group_world_size=3,
+    rank_offset=2,
+    world_size=6,
+    master_addr="n0",
+    master_port=41000,
+)
+
+
+def test_worker_env_has_the_full_torchrun_contract(tmp_path: Path) -> None:
+    env = worker_env(config(tmp_path), ROUND, 1, tmp_path / "err.json")
+    assert all(v in env for v in TORCHRUN_VARS + HPC_VARS)
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["ROLE_RANK"]) == ("3", "1", "1", "3")
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("6", "2", "3")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n0", "41000")
+    assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("1", "3")
+    assert env["OMP_NUM_THREADS"] == "1" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["HPCELASTIC_ATTEMPT"] == "1" and env["KEEP"] == "1"
+    assert "OMPI_COMM_WORLD_RANK" not in env and "HPCELASTIC_SECRET" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in env and "HPCELASTIC_RESUME_FROM" not in env
+
+
+def test_one_gpu_per_worker_and_resume_path(tmp_path: Path) -> None:
+    cfg = config(tmp_path, gpus=("4", "5"))
+    cfg.checkpoint_dir.mkdir()
+    (cfg.checkpoint_dir / "hpcelastic-latest.json").write_text(
+        json.dumps({"path": "/ck/step-9.pt", "step": 9})
+    )
+    env = worker_env(cfg, ROUND, 1, tmp_path / "err.json")
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert env["HPCELASTIC_RESUME_FROM"] == "/ck/step-9.pt"
+
+
+def test_traceback_from_worker_output_with_torch_rank_prefix() -> None:
+    lines = [
+        "step 3",
+        "[rank3]: Traceback (most recent call last):",
+        '[rank3]:   File "train.py", line 9, in <module>',
+        "[rank3]:     main()",
+        "[rank3]: RuntimeError: injected crash at step 8 on rank 3",
+    ]
+    error, tb = traceback_from_tail(lines)  # type: ignore[misc]
+    assert error == "RuntimeError: injected crash at step 8 on rank 3"
+    assert tb.startswith("Traceback") and "train.py" in tb
+    assert traceback_from_tail(["no traceback here"]) is None
+
+
+def test_torch_record_error_file(tmp_path: Path) -> None:
+    path = tmp_path / "err.json"
+    record = {
+        "message": {
+            "message": "ValueError: bad",
+            "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1"},
+        }
+    }
+    path.write_text(json.dumps(record))
+    assert read_error_file(path) == ("ValueError: bad", "Traceback ...")
+    assert read_error_file(tmp_path / "missing.json") is None
+
+
+class FakeNVML(SimpleNamespace):
+    """The few pynvml members the checker uses, with one GPU lost and one with ECC errors."""
+
+    class NVMLError(Exception):
+        def __init__(self, value: int = 999) -> None:
+            super().__init__(f"nvml error {value}")
+            self.value = value
+
+    class NVMLError_NotSupported(NVMLError):  # noqa: N801
+        pass
+
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self, lost: set[int], ecc: dict[int, int], xids: list[int]) -> None:
+        super().__init__()
+        self.lost, self.ecc, self.xids = lost, ecc, xids
+
+    def nvmlEventSetCreate(self) -> str:
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, handle: int, types: int, s: str) -> None:
+        return None
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if i in self.lost:
+            raise self.NVMLError(self.NVML_ERROR_GPU_IS_LOST)
+        return i
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: int, kind: int, counter: int) -> int:
+        return self.ecc.get(handle, 0)
+
+    def nvmlEventSetWait_v2(self, s: str, timeout_ms: int) -> SimpleNamespace:
+        if not self.xids:
+            raise self.NVMLError(10)  # NVML_ERROR_TIMEOUT
+        return SimpleNamespace(eventData=self.xids.pop(0), device=0)
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return f"GPU-{handle}"
+
+    def nvmlDeviceGetIndex(self, handle: int) -> int:
+        return handle
+
+
+def test_health_reports_lost_gpu_ecc_and_critical_xid_only() -> None:
+    nv = FakeNVML(lost={1}, ecc={2: 3}, xids=[13, 79])  # Xid 13 (graphics exception) is not fatal
+    problems = GpuHealth(nv, ["0", "1", "2"]).check()
+    assert [(p.gpu, p.reason) for p in problems] == [
+        ("1", "GPU is lost (fallen off the bus)"),
+        ("2", "3 uncorrectable ECC error(s)"),
+        ("0", "critical Xid 79"),
+    ]
+    assert GpuHealth(FakeNVML(set(), {}, []), ["0"]).check() == []
+
+
+def test_health_is_skipped_without_gpus_or_nvml() -> None:
+    assert GpuHealth.open(()) is None
+    assert GpuHealth.open(("0",)) is None  # this machine has no NVIDIA driver
