@@ -83,3 +83,16 @@ def wait_no_leaks(marker: str, timeout: float = 30.0) -> list[psutil.Process]:
         time.sleep(0.25)
         left = leaked_processes(marker)
     return left
+
+
+def wait_nodes_idle(count: int = 4, timeout: float = 120.0) -> None:
+    """Wait until ``count`` testbed nodes are idle, so an elastic job gets its full allocation."""
+    deadline = time.monotonic() + timeout
+    idle = 0
+    while time.monotonic() < deadline:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True).stdout
+        idle = sum(1 for line in out.splitlines() if line.split()[-1:] == ["idle"])
+        if idle >= count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"only {idle} of {count} nodes idle after {timeout:.0f} s")

@@ -22,10 +22,12 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcelastic import handoff
 from hpcelastic.agent import protocol
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
 from hpcelastic.agent.coordinator import Coordinator, PortReservation
@@ -37,10 +39,9 @@ from hpcelastic.env.base import BootstrapOptions, Environment, NodeContext, Rend
 from hpcelastic.errors import (
     EXIT_COORDINATOR_LOST,
     EXIT_NODE_UNHEALTHY,
-    EXIT_OK,
-    EXIT_STOPPED_FOR_REQUEUE,
     UserError,
 )
+from hpcelastic.requeue import RequeuePolicy, classify_stop_signal, current_job_id
 from hpcelastic.rundir import RunDir
 
 RESTART_KILL_GRACE = 3.0
@@ -121,7 +122,7 @@ class Agent:
         nproc = self._nproc(ctx)
         rdzv = self.env.rendezvous(ctx, self.spec.rdzv)
         self.run_dir = rdzv.run_dir
-        self.attempt = detect_attempt(self.run_dir, ctx)
+        self.attempt = begin_attempt(self.run_dir, ctx, self.env.environ)
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -169,13 +170,6 @@ class Agent:
             new_port=self._ports.new_port,
             rdzv_timeout=self.spec.rdzv.timeout,
             stop_timeout=max(RESTART_KILL_GRACE, self.spec.grace_period),
-        )
-        self.run_dir.append_event(
-            "attempt_started",
-            attempt=self.attempt,
-            job_id=ctx.job_id,
-            restart_count_slurm=ctx.restart_count,
-            nodes=list(ctx.hosts),
         )
         self.coordinator = Coordinator(
             rdzv.listener,
@@ -467,10 +461,11 @@ class Agent:
 
     # ---- the end ----------------------------------------------------------------------------
     def _on_attempt_end(self, reason: str, exit_code: int, bad_nodes: list[str]) -> int:
-        """The one end-of-attempt decision: record how this attempt ended; returns the exit code.
+        """The one end-of-attempt decision: record how this attempt ended, requeue if it must.
 
-        Group rank 0 records it; when the coordinator is gone, the first surviving agent to claim
-        it does. The requeue policy hooks in here.
+        Group rank 0 decides; when the coordinator is gone, the first surviving agent to claim
+        it does (``finalize`` in the batch script is the last resort). The requeue policy writes
+        ``attempt_ended`` and the job-level events and returns the exit code of the agent.
         """
         run_dir = getattr(self, "run_dir", None)
         if run_dir is None:
@@ -480,16 +475,25 @@ class Agent:
             writer = run_dir.claim_once(
                 f"attempt-end-{self.ctx.job_id or 'local'}-{self.attempt}-{self._session}"
             )
-        if writer:
-            run_dir.append_event(
-                "attempt_ended", attempt=self.attempt, reason=reason, exit_code=exit_code, bad_nodes=bad_nodes
-            )
-            if exit_code == EXIT_OK:
-                run_dir.append_event("job_succeeded", exit_code=exit_code, reason=reason)
-            elif exit_code != EXIT_STOPPED_FOR_REQUEUE:
-                run_dir.append_event("job_failed", exit_code=exit_code, reason=reason)
-            self._say(f"attempt {self.attempt} ended: {reason} (exit code {exit_code})")
-        return exit_code
+        if not writer:
+            return exit_code
+        job_id = current_job_id(self.env.environ)
+        if reason == "preempted" and job_id:
+            reason = classify_stop_signal(job_id)
+        progressed = self.group is not None and any(w.step is not None for w in self.group.workers)
+        policy = RequeuePolicy(self.spec.requeue_mode, self.spec.max_requeues)
+        outcome = policy.decide(
+            run_dir,
+            self.attempt,
+            reason,
+            exit_code,
+            bad_nodes,
+            job_id,
+            last_root_cause(run_dir),
+            progressed=progressed,
+        )
+        self._say(f"attempt {self.attempt} ended: {reason}; {outcome.message}")
+        return outcome.exit_code
 
     def _event(self, name: str, **fields: Any) -> None:
         """An agent-level event: through the coordinator when connected, else written directly."""
@@ -532,14 +536,24 @@ def run_agent(env: Environment, spec: AgentSpec) -> int:
         return agent._exit_code
 
 
-def detect_attempt(run_dir: RunDir, ctx: NodeContext) -> int:
-    """The attempt number: ``$HPCELASTIC_ATTEMPT``, else the handoff record's, else Slurm's restart count."""
-    value = os.environ.get("HPCELASTIC_ATTEMPT")
-    if value and value.isdigit():
-        return int(value)
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        return int(json.loads(run_dir.handoff_path.read_text())["attempt"])
-    return ctx.restart_count
+def begin_attempt(run_dir: RunDir, ctx: NodeContext, environ: Mapping[str, str]) -> int:
+    """This allocation's attempt number, from the handoff record.
+
+    Every agent calls it; under the record's lock the first caller of a new allocation
+    (job id + Slurm restart count) bumps the number and the others read the same one.
+    """
+    job = current_job_id(environ) or f"local-{run_dir.path.name}"
+    return handoff.begin_attempt(run_dir, job, ctx.restart_count, list(ctx.hosts))
+
+
+def last_root_cause(run_dir: RunDir) -> dict[str, Any] | None:
+    """The newest ``root_cause`` event of the current attempt, or None."""
+    for ev in reversed(run_dir.events()):
+        if ev.get("event") == "root_cause":
+            return ev
+        if ev.get("event") == "attempt_started":
+            return None
+    return None
 
 
 def nvml_gpu_ids(environ: Any, ctx: NodeContext) -> tuple[str, ...]:

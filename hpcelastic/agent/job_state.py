@@ -91,6 +91,7 @@ class JobState:
         self.failures: list[dict[str, Any]] = []
         self.lost_in_round: list[dict[str, Any]] = []
         self.bad_nodes: list[str] = []
+        self.lost_hosts: list[str] = []
         self.departed: set[int] = set()
         self.result: dict[str, Any] | None = None
 
@@ -129,6 +130,7 @@ class JobState:
             return []
         if unhealthy:
             self.bad_nodes.append(member.host)
+        self.lost_hosts.append(member.host)
         self.departed.add(node_rank)
         actions = [event("node_lost", node_rank=node_rank, node=member.host, reason=reason)]
         if self.phase == "rendezvous":
@@ -377,6 +379,8 @@ class JobState:
             "reason": reason,
             "exit_code": exit_code,
             "message": message,
-            "bad_nodes": list(self.bad_nodes),
+            # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
+            # failed a health check: the next attempt should not be placed on it either.
+            "bad_nodes": list(dict.fromkeys([*self.bad_nodes, *self.lost_hosts])),
         }
         return [send(n, t="finish", **self.result) for n in sorted(self.members)]

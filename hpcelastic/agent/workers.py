@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import psutil
 
+from hpcelastic import handoff
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.rundir import RunDir
 
@@ -80,8 +81,13 @@ class RoundInfo:
 STRIPPED_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "HPCELASTIC_LOCAL_", "HPCELASTIC_COORDINATOR_")
 
 
-def worker_env(cfg: WorkerConfig, rnd: RoundInfo, local_rank: int, error_file: Path) -> dict[str, str]:
-    """The full torchrun environment contract plus the ``HPCELASTIC_*`` variables for one worker."""
+def worker_env(
+    cfg: WorkerConfig, rnd: RoundInfo, local_rank: int, error_file: Path, resume: str | None = None
+) -> dict[str, str]:
+    """The full torchrun environment contract plus the ``HPCELASTIC_*`` variables for one worker.
+
+    ``resume`` is the published checkpoint handed to this round (``HPCELASTIC_RESUME_FROM``).
+    """
     env = {
         k: v
         for k, v in cfg.environ.items()
@@ -119,22 +125,11 @@ def worker_env(cfg: WorkerConfig, rnd: RoundInfo, local_rank: int, error_file: P
         env.setdefault("OMP_NUM_THREADS", "1")
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
-    resume = latest_checkpoint(cfg.checkpoint_dir)
     if resume:
         env["HPCELASTIC_RESUME_FROM"] = resume
     else:
         env.pop("HPCELASTIC_RESUME_FROM", None)
     return env
-
-
-def latest_checkpoint(checkpoint_dir: Path) -> str | None:
-    """The path in ``<checkpoint_dir>/hpcelastic-latest.json`` (the documented handoff file), if any."""
-    try:
-        record = json.loads((checkpoint_dir / "hpcelastic-latest.json").read_text())
-    except (OSError, ValueError):
-        return None
-    path = record.get("path") if isinstance(record, dict) else None
-    return str(path) if path else None
 
 
 def read_error_file(path: Path) -> tuple[str, str] | None:
@@ -203,9 +198,9 @@ class WorkerGroup:
     def start(self, rnd: RoundInfo) -> float:
         """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
         self.round = rnd
-        argv = [
-            a.replace("{resume}", latest_checkpoint(self.cfg.checkpoint_dir) or "") for a in self.cfg.argv
-        ]
+        # Only a published checkpoint that still exists is handed to the workers (handoff.py).
+        resume = handoff.resume_path(self.cfg.run_dir)
+        argv = handoff.expand_resume(self.cfg.argv, resume)
         log_dir = self.cfg.run_dir.attempt_log_dir(self.cfg.attempt)
         for local_rank in range(self.cfg.nproc):
             rank = rnd.rank_offset + local_rank
@@ -214,7 +209,7 @@ class WorkerGroup:
                 error_file.unlink()
             proc = subprocess.Popen(
                 argv,
-                env=worker_env(self.cfg, rnd, local_rank, error_file),
+                env=worker_env(self.cfg, rnd, local_rank, error_file, resume),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

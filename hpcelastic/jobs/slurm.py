@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,26 +49,35 @@ def run_slurm(
     """Run one Slurm command and return its stdout; raise :class:`SlurmError` on failure."""
     if shutil.which(argv[0]) is None:
         raise SlurmError(f"'{argv[0]}' was not found on PATH: is Slurm installed on this host?")
+    # Slurm signals every process of a job it requeues or cancels, this command included when
+    # the job requeues itself (scontrol requeue, then scontrol update). SIGTERM is blocked in
+    # the child (a blocked mask survives exec), so the follow-up command is not killed halfway.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             list(argv),
-            input=input_text,
-            capture_output=True,
+            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=dict(env) if env is not None else None,
-            timeout=timeout,
             cwd=cwd,
-            check=False,
         )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    try:
+        stdout, stderr = proc.communicate(input_text, timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise SlurmError(f"'{argv[0]}' did not answer within {timeout:.0f} s", transient=True) from None
     if proc.returncode != 0:
-        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        msg = (stderr or stdout).strip().splitlines()
         text = msg[-1] if msg else f"exit code {proc.returncode}"
         text = re.sub(r"^(sbatch|scontrol|squeue|scancel|srun): error: ", "", text)
         transient = any(p in text.lower() for p in _TRANSIENT_PATTERNS)
         raise SlurmError(f"{argv[0]} failed: {text}", transient=transient)
-    return proc.stdout
+    return stdout
 
 
 def sbatch(

@@ -135,7 +135,10 @@ def test_preemption_signal_stops_every_node_with_code_5(local_job) -> None:
     [ended] = job.events("attempt_ended")
     assert (ended["reason"], ended["exit_code"]) == ("preempted", 5)
     assert job.events("signal_received")[0]["signal"] == "SIGUSR2"
-    assert not job.events("restarting") and not job.events("job_failed")
+    assert not job.events("restarting")
+    # Outside Slurm nothing can bring the job back: the policy says so instead of requeueing.
+    [skipped] = job.events("requeue_skipped")
+    assert skipped["reason"] == "no_slurm_job"
     assert (job.run_dir.path / "stop-attempt-0").exists()
 
 

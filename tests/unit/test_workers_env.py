@@ -90,11 +90,7 @@ def test_worker_env_has_the_full_torchrun_contract(tmp_path: Path) -> None:
 
 def test_one_gpu_per_worker_and_resume_path(tmp_path: Path) -> None:
     cfg = config(tmp_path, gpus=("4", "5"))
-    cfg.checkpoint_dir.mkdir()
-    (cfg.checkpoint_dir / "hpcelastic-latest.json").write_text(
-        json.dumps({"path": "/ck/step-9.pt", "step": 9})
-    )
-    env = worker_env(cfg, ROUND, 1, tmp_path / "err.json")
+    env = worker_env(cfg, ROUND, 1, tmp_path / "err.json", "/ck/step-9.pt")
     assert env["CUDA_VISIBLE_DEVICES"] == "5"
     assert env["HPCELASTIC_RESUME_FROM"] == "/ck/step-9.pt"
 
