@@ -38,7 +38,18 @@ from hpcelastic import worker
 
 GLOBAL_BATCH = 24  # divisible by every world size the tests use (1, 2, 3, 4, 6, 8, 12)
 IN, HIDDEN, OUT = 8, 16, 1
-FAULTS = ("none", "exit", "raise", "sigkill", "hang", "grandchild", "ckpt-crash", "kill-agent", "startup")
+FAULTS = (
+    "none",
+    "exit",
+    "raise",
+    "sigkill",
+    "hang",
+    "grandchild",
+    "ckpt-crash",
+    "kill-agent",
+    "startup",
+    "init",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="where rank 0 writes final.json (default: checkpoint dir)")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-step", type=int, default=10)
-    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-rank", default="1", help="rank(s) that inject the fault, e.g. 1 or 1,3")
     p.add_argument("--fault-attempt", type=int, default=0, help="attempt in which the fault fires (-1: all)")
     p.add_argument("--fault-restart", type=int, default=0, help="restart round in which it fires (-1: all)")
     return p.parse_args(argv)
@@ -62,7 +73,7 @@ def fault_armed(args: argparse.Namespace, rank: int) -> bool:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return (
         args.fault != "none"
-        and rank == args.fault_rank
+        and rank in {int(r) for r in str(args.fault_rank).split(",")}
         and args.fault_attempt in (-1, worker.attempt())
         and args.fault_restart in (-1, restart)
     )
@@ -127,6 +138,8 @@ def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fault == "startup" and fault_armed(args, rank):
         raise ImportError("injected start-up failure: no module named 'missing_dependency'")
+    if args.fault == "init" and fault_armed(args, rank):
+        os._exit(17)  # dies while the others wait in init_process_group (rendezvous of the round)
     if GLOBAL_BATCH % world:
         raise SystemExit(f"world size {world} does not divide the global batch {GLOBAL_BATCH}")
     dist.init_process_group("gloo")
@@ -142,7 +155,7 @@ def main(argv: list[str]) -> int:
     ckpt_dir = Path(worker.checkpoint_dir())
     per_rank = GLOBAL_BATCH // world
     for step in range(start, args.steps):
-        in_step_fault = args.fault not in ("ckpt-crash", "startup")
+        in_step_fault = args.fault not in ("ckpt-crash", "startup", "init")
         if step == args.fault_step and in_step_fault and fault_armed(args, rank):
             inject(args.fault)
         x, y = batch(args.seed, step)

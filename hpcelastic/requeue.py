@@ -44,6 +44,7 @@ DEFAULT_MODE = "requeue"
 DEFAULT_MAX_REQUEUES = 3
 DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 TIME_LIMIT_WINDOW_S = 300.0
+MAX_STOPS_WITHOUT_CHECKPOINT = 3
 
 EXIT_CODES: dict[str, int] = {
     "succeeded": EXIT_OK,
@@ -84,6 +85,24 @@ class RequeueOutcome:
     def comes_back(self) -> bool:
         """True when a new attempt of the job is queued."""
         return self.action in ("requeued", "resubmitted")
+
+
+def stops_without_checkpoint(events: Sequence[Mapping[str, Any]], attempt: int, reason: str) -> int:
+    """How many attempts in a row, ending with ``attempt``, were stopped before publishing a checkpoint.
+
+    Preemption and time-limit requeues have no budget (a long job needs many), so this is what
+    stops a job whose time limit is shorter than its start-up plus the signal lead from being
+    requeued forever without progress.
+    """
+    ended = {e.get("attempt"): e.get("reason") for e in events if e.get("event") == "attempt_ended"}
+    ended[attempt] = reason
+    published = {e.get("attempt") for e in events if e.get("event") == "checkpoint_published"}
+    count = 0
+    for k in range(attempt, -1, -1):
+        if ended.get(k) not in STOP_REASONS or k in published:
+            break
+        count += 1
+    return count
 
 
 def current_job_id(env: Mapping[str, str] | None = None) -> str | None:
@@ -289,6 +308,17 @@ class RequeuePolicy:
                 exit_code,
                 "no_slurm_job",
                 "not running under Slurm (no job id): nothing to requeue",
+            )
+        stalled = stops_without_checkpoint(events, attempt, reason)
+        if stalled >= MAX_STOPS_WITHOUT_CHECKPOINT:
+            return self._skip(
+                rd,
+                attempt,
+                reason,
+                exit_code,
+                "no_progress",
+                f"the job was stopped ({reason}) {stalled} attempts in a row before it published a "
+                "checkpoint; not requeued: give it a longer --time or a shorter --signal lead",
             )
         rec = handoff.load(rd)
         if reason not in STOP_REASONS:

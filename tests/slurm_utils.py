@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -96,3 +100,81 @@ def wait_nodes_idle(count: int = 4, timeout: float = 120.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"only {idle} of {count} nodes idle after {timeout:.0f} s")
+
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "reference_train.py"
+CKPT_EVERY = 5
+
+
+def train_args(steps: int) -> list[str]:
+    """The reference training's arguments for a run of ``steps`` steps."""
+    return ["--steps", str(steps), "--ckpt-every", str(CKPT_EVERY)]
+
+
+@functools.cache
+def reference_digest(steps: int = 30) -> str:
+    """Final-parameter SHA-256 of a fault-free run of ``steps`` steps under plain torchrun."""
+    out = Path(tempfile.mkdtemp(prefix="hpcelastic-reference-"))
+    env = dict(os.environ, HPCELASTIC_CHECKPOINT_DIR=str(out / "ckpt"))
+    env.pop("HPCELASTIC_RUN_DIR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + [str(TRAIN), *train_args(steps), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads((out / "final.json").read_text())["sha256"]
+
+
+def submit_reference(
+    tmp_path: Path,
+    *flags: str,
+    site: str = "testbed",
+    train: tuple[str, ...] = (),
+    steps: int = 30,
+    time_limit: str = "10",
+) -> tuple[str, Path]:
+    """Submit the reference training through the real CLI; returns (job id, run dir)."""
+    run_dir = tmp_path / "run"
+    wait_nodes_idle()
+    argv = [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", site, "--run-dir", str(run_dir)]
+    argv += ["--time", time_limit, *flags, str(TRAIN), *train_args(steps)]
+    argv += ["--out", str(tmp_path / "out"), *train]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    return str(info["job_id"]), Path(info["run_dir"])
+
+
+def final_digest(tmp_path: Path) -> str:
+    """The SHA-256 the reference training wrote at its end."""
+    return json.loads((tmp_path / "out" / "final.json").read_text())["sha256"]
+
+
+def named(evs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The events called ``name``."""
+    return [e for e in evs if e["event"] == name]
+
+
+def status_json(target: str) -> dict[str, Any]:
+    """``hpcelastic status --json TARGET`` through the real CLI."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcelastic", "status", "--json", target], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def wait_for_event(run_dir: Path, name: str, timeout: float = 120, **match: object) -> dict[str, Any]:
+    """Wait for the first event ``name`` whose fields equal ``match``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for ev in events(run_dir):
+            if ev["event"] == name and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+        time.sleep(0.3)
+    raise AssertionError(f"no {name} {match} event in {timeout} s: {[e['event'] for e in events(run_dir)]}")

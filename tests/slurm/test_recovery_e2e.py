@@ -9,86 +9,29 @@ fault-free run launched by torchrun itself. Nothing here stands in for sbatch, s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.slurm_utils import events, wait_job_finished, wait_no_leaks, wait_nodes_idle
+from tests.slurm_utils import (
+    REPO,
+    events,
+    final_digest,
+    named,
+    reference_digest,
+    status_json,
+    submit_reference,
+    wait_for_event,
+    wait_job_finished,
+    wait_no_leaks,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "examples" / "reference_train.py"
-STEPS = 30
-TRAIN_ARGS = ["--steps", str(STEPS), "--ckpt-every", "5"]
 
-
-@pytest.fixture(scope="module")
-def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Final-parameter SHA-256 of a fault-free run under plain torchrun (not our launcher)."""
-    out = tmp_path_factory.mktemp("reference")
-    env = dict(os.environ, HPCELASTIC_CHECKPOINT_DIR=str(out / "ckpt"))
-    env.pop("HPCELASTIC_RUN_DIR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(TRAIN), *TRAIN_ARGS, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return json.loads((out / "final.json").read_text())["sha256"]
-
-
-def submit(
-    tmp_path: Path, *flags: str, site: str = "testbed", train: tuple[str, ...] = ()
-) -> tuple[str, Path]:
-    """Submit the reference training through the real CLI; returns (job id, run dir)."""
-    run_dir = tmp_path / "run"
-    wait_nodes_idle()
-    argv = [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", site, "--run-dir", str(run_dir)]
-    argv += ["--time", "10", *flags, str(TRAIN), *TRAIN_ARGS, "--out", str(tmp_path / "out"), *train]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout)
-    return str(info["job_id"]), Path(info["run_dir"])
-
-
-def final_digest(tmp_path: Path) -> str:
-    return json.loads((tmp_path / "out" / "final.json").read_text())["sha256"]
-
-
-def named(evs: list[dict], name: str) -> list[dict]:
-    return [e for e in evs if e["event"] == name]
-
-
-def status_json(target: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hpcelastic", "status", "--json", target], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def wait_for_event(run_dir: Path, name: str, timeout: float = 120, **match: object) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for ev in events(run_dir):
-            if ev["event"] == name and all(ev.get(k) == v for k, v in match.items()):
-                return ev
-        time.sleep(0.3)
-    raise AssertionError(f"no {name} {match} event in {timeout} s: {[e['event'] for e in events(run_dir)]}")
-
-
-def test_worker_killed_restarts_all_four_nodes_same_model(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
-) -> None:
-    job, run = submit(
+def test_worker_killed_restarts_all_four_nodes_same_model(tmp_path: Path, slurm_jobs: list[str]) -> None:
+    job, run = submit_reference(
         tmp_path,
         "--nodes", "4", "--gpus-per-node", "2", "--max-restarts", "2",
         train=("--fault", "sigkill", "--fault-step", "12", "--fault-rank", "5"),
@@ -102,16 +45,14 @@ def test_worker_killed_restarts_all_four_nodes_same_model(
     assert all(r["hosts"] == ["node1", "node2", "node3", "node4"] and r["world_size"] == 8 for r in rounds)
     cause = named(evs, "root_cause")
     assert len(cause) == 1 and cause[0]["rank"] == 5 and cause[0]["signal"] in ("SIGKILL", 9)
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
     story = status_json(str(run))
     assert story["current_job_id"] == job
 
 
-def test_agent_killed_elastic_job_finishes_on_three_nodes(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
-) -> None:
-    job, run = submit(
+def test_agent_killed_elastic_job_finishes_on_three_nodes(tmp_path: Path, slurm_jobs: list[str]) -> None:
+    job, run = submit_reference(
         tmp_path,
         "--nodes", "3:4", "--gpus-per-node", "2", "--max-restarts", "2",
         "--sbatch-arg=--nodes=4",  # Slurm may start a 3-4 job on 3 nodes; this test needs 4 to lose one
@@ -126,14 +67,14 @@ def test_agent_killed_elastic_job_finishes_on_three_nodes(
     rounds = named(evs, "rendezvous")
     assert rounds[0]["world_size"] == 8 and rounds[-1]["world_size"] == 6
     assert "node2" not in rounds[-1]["hosts"]
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
 
 
 def test_crash_loop_spends_budget_then_requeues_once_and_resumes(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
+    tmp_path: Path, slurm_jobs: list[str]
 ) -> None:
-    job, run = submit(
+    job, run = submit_reference(
         tmp_path,
         "--nodes", "2", "--gpus-per-node", "1", "--max-restarts", "1",
         train=("--fault", "exit", "--fault-step", "12", "--fault-rank", "1", "--fault-restart", "-1"),
@@ -150,16 +91,14 @@ def test_crash_loop_spends_budget_then_requeues_once_and_resumes(
     assert resumed and min(e["step"] for e in resumed) == 15  # attempt 1 started from step 10
     handoff = json.loads((run / "handoff.json").read_text())
     assert handoff["requeues"]["failure"] == 1
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
     story = status_json(job)
     text = json.dumps(story)
     assert "restarts_exhausted" in text and "requeued" in text
 
 
-def test_preemption_signal_checkpoints_requeues_and_resumes(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
-) -> None:
-    job, run = submit(
+def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path, slurm_jobs: list[str]) -> None:
+    job, run = submit_reference(
         tmp_path, "--nodes", "2", "--gpus-per-node", "1", "--max-restarts", "0",
         train=("--step-time", "0.3",),
     )  # fmt: skip
@@ -174,13 +113,11 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(
     handoff = json.loads((run / "handoff.json").read_text())
     assert handoff["requeues"]["failure"] == 0 and handoff["requeues"]["preempted"] == 1
     assert not named(evs, "restarting")
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
 
 
-def test_node_lost_is_excluded_from_the_next_attempt(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
-) -> None:
-    job, run = submit(
+def test_node_lost_is_excluded_from_the_next_attempt(tmp_path: Path, slurm_jobs: list[str]) -> None:
+    job, run = submit_reference(
         tmp_path,
         "--nodes", "2", "--gpus-per-node", "1", "--max-restarts", "2",
         train=("--fault", "kill-agent", "--fault-step", "12", "--fault-rank", "1"),
@@ -195,16 +132,14 @@ def test_node_lost_is_excluded_from_the_next_attempt(
     assert requeued["reason"] == "too_few_nodes" and bad in requeued["exclude"]
     second = named(evs, "attempt_started")[-1]
     assert second["attempt"] == 1 and bad not in second["nodes"]
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
 
 
-def test_resubmit_mode_chains_a_new_job_that_resumes(
-    tmp_path: Path, slurm_jobs: list[str], reference_digest: str
-) -> None:
+def test_resubmit_mode_chains_a_new_job_that_resumes(tmp_path: Path, slurm_jobs: list[str]) -> None:
     site = tmp_path / "resubmit-site.yaml"
     testbed = (REPO / "site_configs" / "testbed.yaml").read_text()
     site.write_text(testbed.replace("mode: requeue", "mode: resubmit"))
-    job, run = submit(
+    job, run = submit_reference(
         tmp_path,
         "--nodes", "2", "--gpus-per-node", "1", "--max-restarts", "0",
         site=str(site),
@@ -220,5 +155,5 @@ def test_resubmit_mode_chains_a_new_job_that_resumes(
     assert "afterany" in json.dumps(resub)
     evs = events(run)
     assert [e["job_id"] for e in named(evs, "attempt_started")] == [job, second]
-    assert final_digest(tmp_path) == reference_digest
+    assert final_digest(tmp_path) == reference_digest()
     assert status_json(str(run))["current_job_id"] == second

@@ -272,3 +272,32 @@ def test_unknown_reason_is_a_programming_error(rd: RunDir) -> None:
         _quiet().decide(rd, 0, "bored", 1, [], "123")
     assert "attempt_ended" not in _kinds(rd)
     assert not (rd.path / "claims" / "decide-attempt-0").exists()  # a later valid decision still can happen
+
+
+def test_stops_without_checkpoint_counts_the_streak() -> None:
+    from hpcelastic.requeue import stops_without_checkpoint
+
+    evs = [
+        {"event": "attempt_ended", "attempt": 0, "reason": "time_limit"},
+        {"event": "checkpoint_published", "attempt": 0, "step": 5},
+        {"event": "attempt_ended", "attempt": 1, "reason": "time_limit"},
+        {"event": "attempt_ended", "attempt": 2, "reason": "preempted"},
+    ]
+    assert stops_without_checkpoint(evs, 3, "time_limit") == 3  # attempts 1, 2, 3; 0 published
+    assert stops_without_checkpoint(evs, 3, "restarts_exhausted") == 0
+    assert stops_without_checkpoint(evs[:2], 1, "preempted") == 1
+
+
+def test_a_job_stopped_again_and_again_without_a_checkpoint_is_not_requeued(tmp_path) -> None:
+    from hpcelastic.requeue import MAX_STOPS_WITHOUT_CHECKPOINT, RequeuePolicy
+    from hpcelastic.rundir import RunDir
+
+    rd = RunDir(tmp_path)
+    for k in range(MAX_STOPS_WITHOUT_CHECKPOINT - 1):
+        rd.append_event("attempt_ended", attempt=k, reason="time_limit", exit_code=5)
+    out = RequeuePolicy("requeue", 3).decide(
+        rd, MAX_STOPS_WITHOUT_CHECKPOINT - 1, "time_limit", 5, [], "4242"
+    )
+    assert out.action == "skipped"
+    skipped = [e for e in rd.events() if e["event"] == "requeue_skipped"]
+    assert skipped[-1]["reason"] == "no_progress" and "--time" in skipped[-1]["detail"]
