@@ -253,6 +253,34 @@ def test_pickle_is_never_unpickled_even_from_an_authenticated_client(plane: Plan
     assert len(plane.events("signal_received")) == 1
 
 
+GARBAGE_BEFORE_AUTH = {
+    "json-nested-200000-deep": raw_frame(b"[" * 200_000),
+    "not-utf8": raw_frame(b"\xff\xfe{}"),
+    "json-array": raw_frame(b'["hello"]'),
+    "nonce-not-a-string": raw_frame(b'{"t": "hello", "nonce": 5, "node_rank": 2}'),
+    "no-type": raw_frame(b'{"nonce": "00"}'),
+    "length-over-limit": struct.pack("!I", protocol.MAX_FRAME + 1) + b"x" * 64,
+    "shorter-than-its-mac": struct.pack("!I", 4) + b"abcd",
+}
+
+
+@pytest.mark.parametrize("frame", GARBAGE_BEFORE_AUTH.values(), ids=list(GARBAGE_BEFORE_AUTH))
+def test_garbage_before_authentication_is_rejected_and_the_coordinator_serves_on(
+    plane: Plane, frame: bytes
+) -> None:
+    before = plane.state()
+    sock = plane.connect()
+    protocol.recv_payload(sock)
+    sock.sendall(frame)
+    assert rejection(sock)["auth"] is False
+    assert plane.state() == before
+    # Still serving: the right secret joins node 2, which completes the rendezvous.
+    sock = plane.connect()
+    protocol.client_handshake(sock, SECRET, {"node_rank": 2, "host": "n2", "nproc": 1})
+    wait_for("round 0", lambda: plane.state()["round"] == 0)
+    sock.close()
+
+
 # ---- source ---------------------------------------------------------------------------------------
 
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle"}
