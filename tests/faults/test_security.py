@@ -122,7 +122,7 @@ def plane(tmp_path: Path) -> Iterator[Plane]:
         tap = Tap(p.connect())
         session, welcome = protocol.client_handshake(
             tap, SECRET, {"node_rank": rank, "host": HOSTS[rank], "nproc": 1}
-        )  # type: ignore[arg-type]
+        )
         assert welcome["t"] == "welcome"
         p.taps[rank], p.sessions[rank] = tap, session
     # One state-changing message from node 1 (an agent event is written whatever the phase).
@@ -207,7 +207,7 @@ def test_server_frame_reflected_back_on_its_connection_is_rejected(plane: Plane)
     """
     tap, session = plane.taps[1], plane.sessions[1]
     for _seq in (1, 2):  # heartbeats, one every 0.5 s, after the welcome (0); decode checks the MAC
-        frame = protocol.recv_payload(tap)  # type: ignore[arg-type]
+        frame = protocol.recv_payload(tap)
         assert session.decode(frame) == {"t": "hb"}
     assert len(tap.sent) == 2  # node 1 sent frames 0 (hello) and 1 (event): 2 comes next
     tap.sendall(struct.pack("!I", len(frame)) + frame)
