@@ -254,7 +254,7 @@ def begin_attempt(
 def _check_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> Path:
     d = Path(checkpoint_dir)
     try:
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise UserError(
             f"cannot create the checkpoint dir {d}: {e.strerror}; pass a writable --checkpoint-dir"

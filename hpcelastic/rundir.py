@@ -102,8 +102,10 @@ class RunDir:
 
     def attempt_log_dir(self, attempt: int) -> Path:
         """Directory of the per-rank logs of one attempt (created on demand)."""
+        # mkdir(parents=True) gives parents the default mode: create logs/ itself as user-only too.
+        self.logs_path.mkdir(exist_ok=True, mode=0o700)
         d = self.logs_path / f"attempt-{attempt}"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        d.mkdir(exist_ok=True, mode=0o700)
         return d
 
     def rank_log_path(self, attempt: int, rank: int) -> Path:

@@ -21,6 +21,7 @@ from hpcelastic.errors import UserError
 from hpcelastic.resources import data_dir
 
 USER_CONFIG_ENV = "XDG_CONFIG_HOME"
+MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 SITE_SUFFIX = ".yaml"
 
 Validator = Callable[[Any], str | None]
@@ -52,13 +53,20 @@ def _at_least(low: int) -> Validator:
     return lambda value: None if value >= low else f"must be at least {low}, got {value}"
 
 
+def _between(low: int, high: int) -> Validator:
+    return lambda value: None if low <= value <= high else f"must be between {low} and {high}, got {value}"
+
+
 def _signal_name(value: Any) -> str | None:
     return None if normalize_signal(value) else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
 
 
 def _env_names(value: Mapping[str, Any]) -> str | None:
-    bad = [k for k in value if not ENV_NAME.fullmatch(k)]
-    return f"{bad[0]!r} is not a valid environment variable name" if bad else None
+    bad = [k for k in value if not isinstance(k, str) or not ENV_NAME.fullmatch(k)]
+    if bad:
+        return f"{bad[0]!r} is not a valid environment variable name"
+    nul = [k for k, v in value.items() if "\0" in str(v)]
+    return f"{nul[0]}: the value contains a NUL byte, which no environment can carry" if nul else None
 
 
 def _time_value(value: Any) -> str | None:
@@ -101,7 +109,7 @@ SCHEMA: dict[str, Key] = {
     ),
     "env": Key(dict, {}, "environment exported to the job step, e.g. NCCL_SOCKET_IFNAME", _env_names, str),
     "rdzv_interface": Key(str, None, "network interface whose address the agents rendezvous on"),
-    "rdzv_port": Key(int, None, "fixed TCP port for the agents' coordinator", check=_at_least(1)),
+    "rdzv_port": Key(int, None, "fixed TCP port for the agents' coordinator", check=_between(1, 65535)),
     "stall_timeout": Key(
         int, None, "seconds without a worker heartbeat before a restart", check=_at_least(1)
     ),
@@ -115,7 +123,9 @@ SCHEMA: dict[str, Key] = {
     "signal.name": Key(
         str, "USR2", "signal sent before the time limit (and on preemption)", check=_signal_name
     ),
-    "signal.lead_time": Key(int, 180, "seconds before the time limit the signal is sent", check=_at_least(0)),
+    "signal.lead_time": Key(
+        int, 180, "seconds before the time limit the signal is sent", check=_between(0, MAX_SIGNAL_LEAD_S)
+    ),
     "requeue.mode": Key(
         str,
         "requeue",
@@ -142,7 +152,7 @@ SECTIONS = sorted({k.split(".", 1)[0] for k in SCHEMA if "." in k})
 def normalize_signal(value: Any) -> str | None:
     """``"SIGUSR2"``, ``"usr2"`` or ``12`` -> ``"USR2"``; None when it is not a signal."""
     text = str(value).strip().upper()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         try:
             return _signal.Signals(int(text)).name.removeprefix("SIG")
         except ValueError:
@@ -152,12 +162,12 @@ def normalize_signal(value: Any) -> str | None:
 
 
 _TIME_FORMS = (
-    (re.compile(r"(\d+)"), ("m",)),
-    (re.compile(r"(\d+):(\d+)"), ("m", "s")),
-    (re.compile(r"(\d+):(\d+):(\d+)"), ("h", "m", "s")),
-    (re.compile(r"(\d+)-(\d+)"), ("d", "h")),
-    (re.compile(r"(\d+)-(\d+):(\d+)"), ("d", "h", "m")),
-    (re.compile(r"(\d+)-(\d+):(\d+):(\d+)"), ("d", "h", "m", "s")),
+    (re.compile(r"([0-9]+)"), ("m",)),
+    (re.compile(r"([0-9]+):([0-9]+)"), ("m", "s")),
+    (re.compile(r"([0-9]+):([0-9]+):([0-9]+)"), ("h", "m", "s")),
+    (re.compile(r"([0-9]+)-([0-9]+)"), ("d", "h")),
+    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+)"), ("d", "h", "m")),
+    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+):([0-9]+)"), ("d", "h", "m", "s")),
 )
 _UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 
@@ -277,9 +287,11 @@ def load_yaml(path: Path) -> Any:
     import yaml  # only on the submit/sites path: keeps `hpcelastic --help` lean
 
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -215,7 +215,7 @@ class Agent:
         self._hb_sock.setblocking(False)
         self._sel.register(self._hb_sock, selectors.EVENT_READ, "hb")
         checkpoint_dir = self.spec.checkpoint_dir or self.run_dir.path / "checkpoints"
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.stop_file = self.run_dir.path / f"stop-attempt-{self.attempt}"
         cfg = WorkerConfig(
             argv=self.spec.argv,
@@ -406,7 +406,7 @@ class Agent:
             self._preempting = True
             self.group.signal_all(self.spec.stop_signal)
             with contextlib.suppress(OSError):
-                self.stop_file.touch()
+                self.stop_file.touch(mode=0o600)
             self._say(f"{signame}: asked the workers to stop (grace {self.spec.grace_period:g} s)")
         if local:
             self.client.send({"t": "preempt", "signal": signame})

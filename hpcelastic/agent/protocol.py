@@ -65,6 +65,8 @@ def _loads(body: bytes) -> dict[str, Any]:
         obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"frame is not JSON: {e}") from None
+    except RecursionError:  # a hello is parsed before its MAC can be checked: anyone may send [[[[...
+        raise ProtocolError("frame is JSON nested too deeply") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
         raise ProtocolError("frame is not a JSON object with a type")
     return obj

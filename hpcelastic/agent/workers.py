@@ -323,7 +323,7 @@ class WorkerGroup:
         assert worker.proc.stdout is not None and self.round is not None
         prefix = f"[rank{worker.rank}]: ".encode()
         log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank)
-        with open(log_path, "ab") as log:
+        with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
             header = (
                 f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"
             )

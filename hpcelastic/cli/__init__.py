@@ -66,6 +66,15 @@ def cli() -> None:
     """
 
 
+def one_line(text: str) -> str:
+    """``text`` on one terminal line: line breaks and other control characters escaped as ``\\n``, ...
+
+    Messages quote what the user typed (paths, names), which may hold a newline; the error must
+    still be exactly one line. Printable non-ASCII text is kept as it is.
+    """
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point: one-line errors for the user's mistakes, exit code 2."""
     try:
@@ -76,11 +85,10 @@ def main(argv: list[str] | None = None) -> Any:
         click.echo("hpcelastic: aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        msg = e.format_message().replace("\n", " ")
-        click.echo(f"hpcelastic: error: {msg}", err=True)
+        click.echo(f"hpcelastic: error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except HpcElasticError as e:
-        click.echo(f"hpcelastic: error: {e}", err=True)
+        click.echo(f"hpcelastic: error: {one_line(str(e))}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -12,17 +13,20 @@ import click
 
 from hpcelastic.errors import UserError
 
+# ASCII digits only: int() also takes '٣', '1_0' and ' 3 ', which no Slurm tool would.
+_NODES = re.compile(r"([0-9]+)(?::([0-9]+))?")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
 
 def parse_nodes(text: str | None) -> tuple[int | None, int | None]:
     """``N`` or ``MIN:MAX`` -> (min, max); (None, None) when not given."""
     if text is None:
         return None, None
-    lo_s, _, hi_s = text.partition(":")
-    try:
-        lo = int(lo_s)
-        hi = int(hi_s) if hi_s else lo
-    except ValueError:
-        raise UserError(f"--nodes {text!r} is not N or MIN:MAX (e.g. 4 or 3:4)") from None
+    m = _NODES.fullmatch(text)
+    if m is None:
+        raise UserError(f"--nodes {text!r} is not N or MIN:MAX (e.g. 4 or 3:4)")
+    lo = int(m[1])
+    hi = int(m[2]) if m[2] else lo
     if lo < 1 or hi < lo:
         raise UserError(f"--nodes {text!r}: need 1 <= MIN <= MAX")
     return lo, hi
@@ -32,7 +36,7 @@ def parse_nproc(text: str) -> int | None:
     """``auto`` -> None (GPUs visible to the step, else 1), else a positive integer."""
     if text == "auto":
         return None
-    if not text.isdigit() or int(text) < 1:
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
         raise UserError(f"--nproc-per-node {text!r} must be a positive number of workers or 'auto'")
     return int(text)
 
@@ -43,7 +47,7 @@ def parse_signal(text: str) -> signal.Signals:
     try:
         return (
             signal.Signals(int(name))
-            if name.isdigit()
+            if name.isascii() and name.isdigit()
             else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
         )
     except (KeyError, ValueError):
@@ -56,6 +60,8 @@ def worker_argv(program: tuple[str, ...], module: bool) -> tuple[str, ...]:
         raise UserError("no training script given; add `-- train.py ARGS`")
     head, rest = program[0], program[1:]
     if module:
+        if not _MODULE_NAME.fullmatch(head):
+            raise UserError(f"-m {head!r} is not a Python module name (e.g. -m mypkg.train)")
         return (sys.executable, "-u", "-m", head, *rest)
     path = Path(head)
     if path.is_file():

@@ -112,7 +112,7 @@ def visible_gpus(environ: Mapping[str, str], count_var: str | None = None) -> tu
     return ()
 
 
-_ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>\d{1,5})$")
+_ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>[0-9]{1,5})$")
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

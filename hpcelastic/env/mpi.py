@@ -2,15 +2,19 @@
 
 Detected from the launcher's environment variables before mpi4py is imported; mpi4py is then used
 once, for the bootstrap: rank 0 binds port 0 (no race), and broadcasts its address, the port, the
-job secret and the run directory. The workers' environment is cleaned of the launcher's variables so
-a worker that uses MPI itself does not pose as the agent's rank. Start it with
-``mpirun --map-by ppr:1:node --bind-to none``: one agent per node, not pinned to one core.
+job secret and the run directory. Only byte buffers of JSON cross MPI: mpi4py's lower-case methods
+(``bcast``, ``allgather``) would pickle, and the agents never unpickle anything. The workers'
+environment is cleaned of the launcher's variables so a worker that uses MPI itself does not pose
+as the agent's rank. Start it with ``mpirun --map-by ppr:1:node --bind-to none``: one agent per
+node, not pinned to one core.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import struct
 import sys
 import time
 from collections.abc import Mapping
@@ -40,6 +44,33 @@ def _comm() -> Any:
     return MPI.COMM_WORLD
 
 
+_LEN = struct.Struct("!I")
+HOSTNAME_BYTES = 256  # HOST_NAME_MAX is 64 on Linux; room to spare
+
+
+def bcast_json(comm: Any, obj: Any, root: int = 0) -> Any:
+    """Broadcast a JSON value from ``root`` as raw bytes (length first, then the UTF-8 text)."""
+    from mpi4py import MPI
+
+    data = json.dumps(obj).encode() if comm.Get_rank() == root else b""
+    size = bytearray(_LEN.pack(len(data)))
+    comm.Bcast([size, MPI.BYTE], root=root)
+    buf = bytearray(data) if data else bytearray(_LEN.unpack(size)[0])
+    comm.Bcast([buf, MPI.BYTE], root=root)
+    return json.loads(buf.decode())
+
+
+def allgather_hostnames(comm: Any, name: str) -> tuple[str, ...]:
+    """Every rank's host name, in rank order, gathered as fixed-size byte records."""
+    from mpi4py import MPI
+
+    mine = name.encode()[:HOSTNAME_BYTES].ljust(HOSTNAME_BYTES, b"\0")
+    out = bytearray(HOSTNAME_BYTES * comm.Get_size())
+    comm.Allgather([bytearray(mine), MPI.BYTE], [out, MPI.BYTE])
+    records = (out[i : i + HOSTNAME_BYTES] for i in range(0, len(out), HOSTNAME_BYTES))
+    return tuple(bytes(r).rstrip(b"\0").decode(errors="replace") for r in records)
+
+
 class MPIEnvironment(Environment):
     """Ranks and size from MPI; node names gathered from every rank."""
 
@@ -55,7 +86,7 @@ class MPIEnvironment(Environment):
 
     def context(self) -> NodeContext:
         comm = _comm()
-        hosts = tuple(comm.allgather(socket.gethostname()))
+        hosts = allgather_hostnames(comm, socket.gethostname())
         self._same_host = len(set(hosts)) == 1
         if len(os.sched_getaffinity(0)) == 1 and (os.cpu_count() or 1) > 1:
             print(
@@ -99,7 +130,7 @@ class MPIEnvironment(Environment):
             except UserError as e:
                 error = str(e)
                 payload = {"error": error}
-        payload = comm.bcast(payload, root=0)
+        payload = bcast_json(comm, payload, root=0)
         if "error" in payload:
             raise UserError(error or f"MPI rank 0 could not bootstrap the job: {payload['error']}")
         return Rendezvous(

@@ -16,15 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
-from hpcelastic.sites import ENV_NAME, Resolved, normalize_signal, parse_time
+from hpcelastic.sites import ENV_NAME, MAX_SIGNAL_LEAD_S, Resolved, normalize_signal, parse_time
 
-MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # bash refuses to assign these; the run directory variable is hpcelastic's own.
 _RESERVED_ENV = frozenset(
     {"BASHOPTS", "BASH_VERSINFO", "EUID", "PPID", "SHELLOPTS", "UID", "HPCELASTIC_RUN_DIR"}
 )
-_NODES = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
+# ASCII only: \d and str.isdigit() also accept digits such as '٣' and '²' (int() refuses the latter).
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+_NODES = re.compile(r"\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def parse_signal(value: str) -> tuple[str, int]:
     """``"USR2@180"`` -> ("USR2", 180); UserError otherwise."""
     name, sep, lead = str(value).partition("@")
     sig = normalize_signal(name)
-    if not sep or sig is None or not lead.strip().isdigit():
+    if not sep or sig is None or not _ASCII_DIGITS.fullmatch(lead.strip()):
         raise UserError(f"--signal {value!r} is not SIG@SECONDS (e.g. --signal USR2@180)")
     seconds = int(lead)
     if seconds > MAX_SIGNAL_LEAD_S:
@@ -118,6 +119,16 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
 def _no_nul(value: str, what: str) -> None:
     if "\0" in value:
         raise UserError(f"{what} contains a NUL byte, which no command line or environment can carry")
+
+
+def check_hostlist(text: str, what: str) -> None:
+    """A Slurm hostlist such as ``node[1-3,7],gpu01``; UserError naming the flag otherwise."""
+    import hostlist
+
+    try:
+        hostlist.expand_hostlist(text)
+    except hostlist.BadHostlist as e:
+        raise UserError(f"{what} {text!r} is not a Slurm hostlist such as node[1-3],gpu07 ({e})") from None
 
 
 def check_job_name(name: str) -> str:
@@ -163,7 +174,7 @@ def _nproc(value: str | int | None, gpus: int | None) -> str:
     if value is None or str(value).strip() == "":
         return str(gpus) if gpus else "auto"
     text = str(value).strip().lower()
-    if text == "auto" or (text.isdigit() and int(text) > 0):
+    if text == "auto" or (_ASCII_DIGITS.fullmatch(text) and int(text) > 0):
         return text
     raise UserError(f"--nproc-per-node {value!r} must be a positive integer or 'auto'")
 
@@ -216,6 +227,8 @@ def build_spec(
             raise UserError(
                 f"--env {key}=...: {key} cannot be set for the job (reserved by bash or hpcelastic)"
             )
+    if v("exclude"):
+        check_hostlist(v("exclude"), "--exclude")
     directives = tuple(v("sbatch_directives") or ())
     for d in directives:
         if not d.startswith("-") or any(ord(c) < 32 for c in d):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,11 +126,22 @@ class SubmititBackend:
 
     def submit(self, request: JobRequest, run_dir: RunDir) -> str:
         """Submit :class:`AgentTask` with submitit and return the Slurm job id."""
-        executor = self._executor(request, run_dir.path / SUBMITIT_FOLDER)
+        folder = run_dir.path / SUBMITIT_FOLDER
+        folder.mkdir(mode=0o700, exist_ok=True)  # submitit would create it with the umask's mode
+        executor = self._executor(request, folder)
         try:
             job = executor.submit(self._task(request))
         except Exception as e:  # submitit wraps sbatch's failure in its own exception types
             from hpcelastic.errors import SlurmError
 
             raise SlurmError(f"submitit could not submit: {str(e).strip().splitlines()[-1]}") from None
+        _user_only(folder)
         return str(job.job_id)
+
+
+def _user_only(folder: Path) -> None:
+    """Drop group and other permissions from the files submitit wrote (its pickled task, its script)."""
+    for path in folder.iterdir():
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode):
+            os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
