@@ -69,9 +69,11 @@ def _exit(code: Any) -> str:
 
 
 def _failure(e: Mapping[str, Any]) -> str:
+    error = str(e.get("error") or "").strip().splitlines()
+    if e.get("rank") is None:  # a whole node failed (agent lost), not one worker
+        return f"node {e.get('node')}" + (f": {error[-1]}" if error else "")
     where = f"rank {e.get('rank')} on {e.get('node')}"
     how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
-    error = str(e.get("error") or "").strip().splitlines()
     return f"{where}, {how}" + (f": {error[-1]}" if error else "")
 
 
