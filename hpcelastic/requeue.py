@@ -475,7 +475,10 @@ class RequeuePolicy:
         """Submit ``<run>/job.sbatch`` again after ``job_id``; returns (new job id, error)."""
         if not rd.script_path.is_file():
             return None, f"the run has no batch script {rd.script_path} to resubmit"
-        args = [f"--dependency=afterany:{job_id}"]
+        # The user's --sbatch-arg values went on the first sbatch's command line, not into
+        # job.sbatch: pass them again, before ours so that ours (dependency, exclude) win.
+        args = [str(a) for a in rd.read_meta().get("sbatch_args") or []]
+        args.append(f"--dependency=afterany:{job_id}")
         if exclude:
             import hostlist  # python-hostlist; imported here to keep the CLI start-up lean
 

@@ -4,7 +4,7 @@ For every fault: the job ends in the right Slurm state, no process of the run su
 emulated node, the final parameters are bit-for-bit those of a fault-free torchrun run, and
 `hpcelastic status` tells what happened. The scenarios of tests/slurm/test_recovery_e2e.py
 (worker SIGKILLed, agent SIGKILLed with and without a spare node, crash loop, preemption,
-resubmit) complete the matrix; docs/RELIABILITY.md lists all of them.
+resubmit) complete the matrix; the README's Reliability section lists all of them.
 """
 
 from __future__ import annotations
