@@ -123,7 +123,8 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
 def params_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        # The raw bytes of the float64 values, without NumPy (torch does not require it).
+        h.update(bytes(p.detach().contiguous().reshape(-1).view(torch.uint8).tolist()))
     return h.hexdigest()
 
 
