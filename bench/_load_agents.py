@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from hpcelastic.agent import protocol
+from hpcelastic.agent.client import CHALLENGE_TIMEOUT
 
 LOOP_LIMIT_S = 600.0
 
@@ -32,6 +33,8 @@ class SimAgent:
 
     rank: int
     sock: socket.socket | None = None
+    connect_at: float = 0.0
+    retries: int = 0
     buf: protocol.FrameBuffer = field(default_factory=protocol.FrameBuffer)
     out: bytearray = field(default_factory=bytearray)
     session: protocol.Session | None = None
@@ -50,9 +53,7 @@ class SimAgent:
 class AgentSwarm:
     """The agents of one process and the event loop that serves them and the driver's pipe."""
 
-    def __init__(
-        self, port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float
-    ) -> None:
+    def __init__(self, port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
         self.port, self.secret, self.ctl, self.hb_interval = port, secret, ctl, hb_interval
         self.agents = {r: SimAgent(r) for r in ranks}
         self.sel = selectors.DefaultSelector()
@@ -102,6 +103,7 @@ class AgentSwarm:
                     "finish": a.finish,
                     "error": a.error,
                     "gone": a.gone,
+                    "retries": a.retries,
                 }
                 for r, a in self.agents.items()
             },
@@ -117,8 +119,18 @@ class AgentSwarm:
             a.error, a.gone = f"connect failed: {errno.errorcode.get(rc, rc)}", True
             sock.close()
             return
-        a.sock = sock
+        a.sock, a.connect_at = sock, time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, a)
+
+    def _retry_unserved(self) -> None:
+        """Reconnect agents that got no challenge in time, as ``CoordinatorClient.connect`` does."""
+        now = time.monotonic()
+        for a in self.agents.values():
+            if a.sock is not None and a.session is None and now - a.connect_at > CHALLENGE_TIMEOUT:
+                self._close(a)
+                a.gone, a.buf = False, protocol.FrameBuffer()
+                a.retries += 1
+                self._connect(a)
 
     def _fail(self, a: SimAgent) -> None:
         """A worker of this node crashed: report it, then report the node stopped (as ``Agent`` does)."""
@@ -252,6 +264,7 @@ class AgentSwarm:
             if time.monotonic() >= next_hb:
                 next_hb = time.monotonic() + self.hb_interval
                 self._heartbeat()
+                self._retry_unserved()
         for a in self.agents.values():
             self._close(a)
 

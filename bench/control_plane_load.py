@@ -146,6 +146,19 @@ def _wait_node_lost(run: RunDir, node_rank: int, timeout: float) -> dict[str, An
     raise BenchError(f"no node_lost event for node {node_rank} within {timeout:g} s")
 
 
+def _progress(swarms: Swarms | None) -> str:
+    """How far the agents got, for a phase that timed out."""
+    if swarms is None:
+        return "the agents never started"
+    try:
+        agents = [a for rep in swarms.reports() for a in rep["agents"].values()]
+    except BenchError:
+        return "the agent processes stopped answering"
+    errors = sorted({a["error"] for a in agents if a["error"]})
+    joined = sum(1 for a in agents if a["welcome_ts"])
+    return f"{joined} of {len(agents)} agents joined; errors: {'; '.join(errors[:3]) or 'none'}"
+
+
 def _cpu(p: psutil.Process) -> float:
     t = p.cpu_times()
     return t.user + t.system
@@ -204,6 +217,8 @@ def run_hpcelastic(
         swarms.broadcast("done")
         final = _expect(coord_conn, "result", STEP_TIMEOUT_S)[1]
         reports = swarms.reports()
+    except BenchError as e:
+        raise BenchError(f"{e} ({_progress(swarms)})") from None
     finally:
         if swarms is not None:
             swarms.close()
@@ -233,6 +248,7 @@ def run_hpcelastic(
         "rss_joined_mb": rss_joined_mb,
         "maxrss_mb": final["maxrss_mb"],
         "final": final,
+        "reconnects": sum(a["retries"] for a in agents.values()),
         "lost_events": [(e["node_rank"], e["reason"]) for e in events if e["event"] == "node_lost"],
     }
     out["problems"] = _check(out, agents, events, (fail_rank, closed_rank, silent_rank))
@@ -346,7 +362,12 @@ def markdown(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], command: 
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for h, c in rows:
+        if "error" in h:
+            lines.append(f"| {h['nodes']} |" + " n/a |" * 6 + f" {_c10d_cell(c)} | {h['error']} |")
+            continue
         checks = "all passed" if not h["problems"] else "; ".join(h["problems"][:3])
+        if h["reconnects"]:
+            checks += f" ({h['reconnects']} agents reconnected: no challenge within 5 s)"
         lines.append(
             f"| {h['nodes']} | {_f(h['rendezvous_s'])} | {_f(h['restart_s'])} ({_f(h['stop_s'])}) "
             f"| {_f(h['lost_closed_s'], digits=3)} ({_f(h['lost_closed_restart_s'])}) "
@@ -355,16 +376,27 @@ def markdown(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], command: 
             f"| {h['rss_idle_mb']:.0f} / {h['rss_joined_mb']:.0f} / {h['maxrss_mb']:.0f} MB "
             f"| {_c10d_cell(c)} | {checks} |"
         )
-    met = [h for h, _ in rows if h["nodes"] == 1024]
+    met = [h for h, _ in rows if h["nodes"] == 1024 and "error" not in h]
     if met:
         ok = met[0]["rendezvous_s"] < TARGET_S and met[0]["restart_s"] < TARGET_S
-        lines += ["", f"Target (1024 agents, rendezvous and restart round < {TARGET_S:g} s): "
-                  f"{'met' if ok else 'missed'}."]
+        lines += [
+            "",
+            f"Target (1024 agents, rendezvous and restart round < {TARGET_S:g} s): "
+            f"{'met' if ok else 'missed'}.",
+        ]
     errs = {e for _, c in rows if c and c["errors"] for e in c["errors"]}
     if errs:
         lines += ["", "torch c10d errors seen: " + "; ".join(sorted(errs)[:3])]
     lines += ["", f"Reproduce: `{command}`"]
     return "\n".join(lines)
+
+
+def _summary(h: dict[str, Any]) -> str:
+    return (
+        f"N={h['nodes']}: rendezvous {h['rendezvous_s']:.3f} s, restart {h['restart_s']:.3f} s, "
+        f"lost closed {h['lost_closed_s']:.3f} s, silent {h['lost_silent_s']:.2f} s, coordinator CPU "
+        f"{h['cpu_total_s']:.2f} s, peak RSS {h['maxrss_mb']:.0f} MB, checks: {h['problems'] or 'ok'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -383,15 +415,25 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--sizes: every size must be at least 4")
     rows = []
     for n in sizes:
-        h = run_hpcelastic(n, procs=args.procs)
-        print(
-            f"N={n}: rendezvous {h['rendezvous_s']:.3f} s, restart {h['restart_s']:.3f} s, lost closed "
-            f"{h['lost_closed_s']:.3f} s, silent {h['lost_silent_s']:.2f} s, coordinator CPU "
-            f"{h['cpu_total_s']:.2f} s, peak RSS {h['maxrss_mb']:.0f} MB, checks: {h['problems'] or 'ok'}",
-            flush=True,
-        )
-        c = None if args.no_c10d else run_c10d(n, limit_s=args.c10d_limit, procs=args.procs)
-        if c is not None:
+        try:
+            h = run_hpcelastic(n, procs=args.procs)
+        except BenchError as e:
+            h = {"nodes": n, "error": str(e), "problems": [str(e)]}
+            print(f"N={n}: hpcelastic: {e}", flush=True)
+        else:
+            print(_summary(h), flush=True)
+        c = None
+        if not args.no_c10d:
+            try:
+                c = run_c10d(n, limit_s=args.c10d_limit, procs=args.procs)
+            except BenchError as e:
+                c = {
+                    "nodes": n,
+                    "limit_s": args.c10d_limit,
+                    "completed": False,
+                    "joined": 0,
+                    "errors": [str(e)],
+                }
             print(f"N={n}: torch c10d: {_c10d_cell(c)} {c['errors'] or ''}", flush=True)
         rows.append((h, c))
     command = "python bench/control_plane_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
