@@ -18,6 +18,11 @@ from typing import Any
 from hpcelastic.agent import protocol
 
 RETRY_DELAY = 0.1
+CHALLENGE_TIMEOUT = 5.0
+
+
+class _NoChallenge(Exception):
+    """The coordinator never sent its challenge on this connection: connect again."""
 
 
 class CoordinatorUnreachable(Exception):
@@ -61,24 +66,50 @@ class CoordinatorClient:
                 sock = socket.create_connection((self.host, self.port), timeout=max(0.5, min(5.0, timeout)))
             except OSError as e:
                 last_error = e.strerror or str(e)
-                if time.monotonic() + RETRY_DELAY >= deadline:
-                    raise CoordinatorUnreachable(
-                        f"cannot reach the coordinator at {self.host}:{self.port} within {timeout:g} s "
-                        f"({last_error})"
-                    ) from None
-                time.sleep(RETRY_DELAY)
-                continue
-            break
+            else:
+                try:
+                    return self._handshake(sock, hello, deadline)
+                except _NoChallenge:
+                    last_error = f"no challenge within {CHALLENGE_TIMEOUT:g} s of connecting"
+            if time.monotonic() + RETRY_DELAY >= deadline:
+                raise CoordinatorUnreachable(
+                    f"cannot reach the coordinator at {self.host}:{self.port} within {timeout:g} s "
+                    f"({last_error})"
+                )
+            time.sleep(RETRY_DELAY)
+
+    def _handshake(self, sock: socket.socket, hello: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """Authenticate on a fresh connection; keeps it as this client's connection on success.
+
+        A connection the coordinator never serves (its accept queue overflowed while thousands of
+        agents connected at once: the kernel may then drop the connection after our side saw it
+        established) sends no challenge; :class:`_NoChallenge` lets ``connect`` retry. Once our
+        hello is sent the node may have joined, so a silent or closed connection after that is
+        :class:`CoordinatorUnreachable`, not a retry.
+        """
         try:
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._session, welcome = protocol.client_handshake(sock, self._secret, hello)
+            sock.settimeout(max(0.1, min(CHALLENGE_TIMEOUT, deadline - time.monotonic())))
+            try:
+                challenge = protocol.recv_payload(sock)
+            except OSError:
+                raise _NoChallenge from None
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            session, hello_frame = protocol.client_hello(self._secret, challenge, hello)
+            sock.sendall(hello_frame)
+            welcome = protocol.client_welcome(session, protocol.recv_payload(sock))
             # Reads and writes give up after this long: a hung coordinator cannot block the agent.
             sock.settimeout(self._hb_timeout + 1.0)
-        except (OSError, protocol.ProtocolError):
+        except OSError as e:
+            sock.close()
+            raise CoordinatorUnreachable(
+                f"the coordinator at {self.host}:{self.port} stopped answering during the handshake "
+                f"({e.strerror or e or type(e).__name__})"
+            ) from None
+        except (protocol.ProtocolError, _NoChallenge):
             sock.close()
             raise
-        self._sock = sock
+        self._sock, self._session = sock, session
         self._last_recv = time.monotonic()
         return welcome
 

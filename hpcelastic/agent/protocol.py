@@ -176,7 +176,17 @@ def client_handshake(
     Returns the session and the server's ``welcome`` message. Raises :class:`AuthError` when the
     server rejects the secret or cannot prove it knows it, :class:`ProtocolError` on a refusal.
     """
-    challenge = decode_plain(recv_payload(sock))
+    session, hello_frame = client_hello(secret, recv_payload(sock), hello)
+    sock.sendall(hello_frame)
+    return session, client_welcome(session, recv_payload(sock))
+
+
+def client_hello(secret: str, challenge_payload: bytes, hello: dict[str, Any]) -> tuple[Session, bytes]:
+    """Answer the server's challenge: the client session and the ``hello`` frame to send.
+
+    Step 2 of the handshake without I/O, so non-blocking clients (the load benchmark) share it.
+    """
+    challenge = decode_plain(challenge_payload)
     if challenge.get("t") != "challenge" or not isinstance(challenge.get("nonce"), str):
         raise ProtocolError(f"expected a challenge, got {challenge.get('t')!r}")
     if challenge.get("v") != PROTOCOL_VERSION:
@@ -185,8 +195,11 @@ def client_handshake(
         )
     client_nonce = new_nonce()
     session = Session(session_key(secret, challenge["nonce"], client_nonce), is_server=False)
-    sock.sendall(session.encode({**hello, "t": "hello", "nonce": client_nonce}))
-    payload = recv_payload(sock)
+    return session, session.encode({**hello, "t": "hello", "nonce": client_nonce})
+
+
+def client_welcome(session: Session, payload: bytes) -> dict[str, Any]:
+    """Check the server's answer to ``hello``: its ``welcome`` message, or the refusal raised."""
     mac, msg = split_payload(payload)
     if mac == _ZERO_MAC and msg.get("t") == "error":
         err = str(msg.get("error", "rejected"))
@@ -194,7 +207,7 @@ def client_handshake(
     reply = session.decode(payload)
     if reply.get("t") != "welcome":
         raise ProtocolError(f"expected welcome, got {reply.get('t')!r}")
-    return session, reply
+    return reply
 
 
 def server_accept_hello(secret: str, server_nonce: str, payload: bytes) -> tuple[Session, dict[str, Any]]:

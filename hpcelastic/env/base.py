@@ -153,8 +153,12 @@ def routable_address(interface: str | None) -> str:
     return "127.0.0.1"
 
 
-def listen(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """A listening TCP socket (``SO_REUSEADDR``) on ``host:port``; port 0 picks a free one, race free."""
+def listen(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """A listening TCP socket (``SO_REUSEADDR``) on ``host:port``; port 0 picks a free one, race free.
+
+    The backlog holds a burst of thousands of agents connecting at once (the kernel caps it at
+    ``net.core.somaxconn``).
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -1,0 +1,274 @@
+"""Simulated agents for the control-plane load benchmark: many real protocol clients per process.
+
+One process multiplexes many agent connections with ``selectors``: each does the real authenticated
+handshake (``protocol.client_hello``/``client_welcome``) over its own TCP socket, heartbeats like
+``CoordinatorClient`` and answers like ``Agent`` does (``round`` -> ``started``, ``stop`` ->
+``stopped``), without workers. The driver steers the process through a pipe; every reply and
+notification is a tuple. Times are ``time.time()`` so they compare with ``events.jsonl``.
+
+Hand-written event loop: the point is thousands of clients in a few processes, which threads around
+the blocking ``CoordinatorClient`` could not give on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import selectors
+import socket
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from hpcelastic.agent import protocol
+from hpcelastic.agent.client import CHALLENGE_TIMEOUT
+
+LOOP_LIMIT_S = 600.0
+
+
+@dataclass(eq=False)
+class SimAgent:
+    """One simulated agent: its socket, handshake state and what it received when."""
+
+    rank: int
+    sock: socket.socket | None = None
+    connect_at: float = 0.0
+    retries: int = 0
+    buf: protocol.FrameBuffer = field(default_factory=protocol.FrameBuffer)
+    out: bytearray = field(default_factory=bytearray)
+    session: protocol.Session | None = None
+    joined: bool = False
+    round: int = -1
+    reported_round: int = -1
+    silent: bool = False
+    gone: bool = False
+    welcome_ts: float | None = None
+    rounds: dict[int, float] = field(default_factory=dict)
+    stops: dict[int, float] = field(default_factory=dict)
+    finish: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class AgentSwarm:
+    """The agents of one process and the event loop that serves them and the driver's pipe."""
+
+    def __init__(self, port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
+        self.port, self.secret, self.ctl, self.hb_interval = port, secret, ctl, hb_interval
+        self.agents = {r: SimAgent(r) for r in ranks}
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(ctl.fileno(), selectors.EVENT_READ, None)
+        self.connect_ts: float | None = None
+        self.announced: set[int] = set()
+        self.running = True
+
+    # ---- driver commands --------------------------------------------------------------------
+    def command(self, cmd: tuple[Any, ...]) -> None:
+        """Run one command from the driver."""
+        name = cmd[0]
+        if name == "connect":
+            self.connect_ts = time.time()
+            for a in self.agents.values():
+                self._connect(a)
+        elif name == "fail":
+            self._fail(self.agents[cmd[1]])
+        elif name == "close":
+            a = self.agents[cmd[1]]
+            ts = time.time()
+            self._close(a)
+            self.ctl.send(("closed", a.rank, ts))
+        elif name == "silence":
+            a = self.agents[cmd[1]]
+            a.silent, a.gone = True, True
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(a.sock)
+            self.ctl.send(("silenced", a.rank, time.time()))
+        elif name == "done":
+            for a in self._live():
+                self._send(a, {"t": "done", "round": a.round})
+        elif name == "report":
+            self.ctl.send(("report", self.report()))
+        elif name == "exit":
+            self.running = False
+
+    def report(self) -> dict[str, Any]:
+        """What every agent of this process saw, for the driver's figures."""
+        return {
+            "connect_ts": self.connect_ts,
+            "agents": {
+                r: {
+                    "welcome_ts": a.welcome_ts,
+                    "rounds": a.rounds,
+                    "stops": a.stops,
+                    "finish": a.finish,
+                    "error": a.error,
+                    "gone": a.gone,
+                    "retries": a.retries,
+                }
+                for r, a in self.agents.items()
+            },
+        }
+
+    # ---- agent behaviour --------------------------------------------------------------------
+    def _connect(self, a: SimAgent) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        rc = sock.connect_ex(("127.0.0.1", self.port))
+        if rc not in (0, errno.EINPROGRESS):
+            a.error, a.gone = f"connect failed: {errno.errorcode.get(rc, rc)}", True
+            sock.close()
+            return
+        a.sock, a.connect_at = sock, time.monotonic()
+        self.sel.register(sock, selectors.EVENT_READ, a)
+
+    def _retry_unserved(self) -> None:
+        """Reconnect agents that got no challenge in time, as ``CoordinatorClient.connect`` does."""
+        now = time.monotonic()
+        for a in self.agents.values():
+            if a.sock is not None and a.session is None and now - a.connect_at > CHALLENGE_TIMEOUT:
+                self._close(a)
+                a.gone, a.buf = False, protocol.FrameBuffer()
+                a.retries += 1
+                self._connect(a)
+
+    def _fail(self, a: SimAgent) -> None:
+        """A worker of this node crashed: report it, then report the node stopped (as ``Agent`` does)."""
+        failure = {
+            "round": a.round,
+            "rank": 0,
+            "local_rank": 0,
+            "exitcode": 1,
+            "signal": None,
+            "error": "RuntimeError: simulated worker crash",
+            "traceback": "",
+            "ts": time.time(),
+        }
+        self._send(a, {"t": "failed", "round": a.round, "failures": [failure]})
+        self._send(a, {"t": "stopped", "round": a.round, "failures": []})
+        a.reported_round = a.round
+        self.ctl.send(("failed", a.rank, failure["ts"]))
+
+    def _on_message(self, a: SimAgent, msg: dict[str, Any]) -> None:
+        t, now = msg["t"], time.time()
+        if t == "round":
+            a.round = int(msg["round"])
+            a.rounds[a.round] = now
+            self._send(a, {"t": "started", "round": a.round, "ts": now})
+            self._maybe_announce(a.round)
+        elif t == "stop":
+            a.stops.setdefault(int(msg["round"]), now)
+            if msg["round"] == a.round and a.reported_round != a.round:
+                a.reported_round = a.round
+                self._send(a, {"t": "stopped", "round": a.round, "failures": []})
+        elif t == "finish":
+            a.finish = {**msg, "ts": now}
+            self._close(a)
+
+    def _live(self) -> list[SimAgent]:
+        return [a for a in self.agents.values() if a.joined and not a.gone]
+
+    def _maybe_announce(self, rnd: int) -> None:
+        """Tell the driver once every live agent of this process has round ``rnd``'s assignment."""
+        if rnd in self.announced:
+            return
+        live = self._live()
+        if live and all(rnd in a.rounds for a in live):
+            self.announced.add(rnd)
+            self.ctl.send(("round", rnd, max(a.rounds[rnd] for a in live)))
+
+    # ---- I/O --------------------------------------------------------------------------------
+    def _send(self, a: SimAgent, msg: dict[str, Any]) -> None:
+        if a.session is None or a.sock is None or a.gone:
+            return
+        a.out += a.session.encode(msg)
+        self._flush(a)
+
+    def _flush(self, a: SimAgent) -> None:
+        assert a.sock is not None
+        try:
+            while a.out:
+                del a.out[: a.sock.send(a.out)]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            self._lose(a, f"send failed: {e}")
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.modify(a.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if a.out else 0), a)
+
+    def _readable(self, a: SimAgent) -> None:
+        assert a.sock is not None
+        try:
+            data = a.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._lose(a, f"recv failed: {e}")
+            return
+        if not data:
+            self._lose(a, "coordinator closed the connection")
+            return
+        try:
+            for payload in a.buf.feed(data):
+                if a.gone:
+                    return
+                if a.session is None:
+                    hello = {"node_rank": a.rank, "host": f"sim{a.rank}", "nproc": 1, "pid": a.rank}
+                    a.session, frame = protocol.client_hello(self.secret, payload, hello)
+                    a.out += frame
+                    self._flush(a)
+                elif not a.joined:
+                    protocol.client_welcome(a.session, payload)
+                    a.joined, a.welcome_ts = True, time.time()
+                else:
+                    msg = a.session.decode(payload)
+                    if msg["t"] != "hb":
+                        self._on_message(a, msg)
+        except protocol.ProtocolError as e:
+            self._lose(a, f"{type(e).__name__}: {e}")
+
+    def _lose(self, a: SimAgent, why: str) -> None:
+        if a.finish is None and not a.silent and a.error is None:
+            a.error = why
+        self._close(a)
+
+    def _close(self, a: SimAgent) -> None:
+        a.gone = True
+        if a.sock is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(a.sock)
+            a.sock.close()
+            a.sock = None
+
+    def _heartbeat(self) -> None:
+        for a in self._live():
+            if not a.silent:
+                self._send(a, {"t": "hb"})
+
+    def run(self) -> None:
+        """Serve until the driver says ``exit`` (or the loop's hard time limit passes)."""
+        hard_stop = time.monotonic() + LOOP_LIMIT_S
+        next_hb = time.monotonic() + self.hb_interval
+        self.ctl.send(("ready",))
+        while self.running and time.monotonic() < hard_stop:
+            for key, mask in self.sel.select(timeout=max(0.0, next_hb - time.monotonic())):
+                a = key.data
+                if a is None:
+                    self.command(self.ctl.recv())
+                    continue
+                if mask & selectors.EVENT_WRITE and not a.gone:
+                    self._flush(a)
+                if mask & selectors.EVENT_READ and not a.gone:
+                    self._readable(a)
+            if time.monotonic() >= next_hb:
+                next_hb = time.monotonic() + self.hb_interval
+                self._heartbeat()
+                self._retry_unserved()
+        for a in self.agents.values():
+            self._close(a)
+
+
+def swarm_main(port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
+    """Process entry point: serve ``ranks`` as simulated agents of the coordinator at ``port``."""
+    AgentSwarm(port, secret, ranks, ctl, hb_interval).run()
