@@ -119,9 +119,10 @@ def hpcelastic_job(
     return start_agents(spec)
 
 
-def bench_hpcelastic_restart(work: Path) -> dict[str, Any]:
-    run_dir, agents = hpcelastic_job(work, "he-crash", str(NODES), list(CRASH))
-    timing = work / "he-crash-timing"
+def bench_hpcelastic_restart(work: Path, crash_mode: str = "exception") -> dict[str, Any]:
+    name = f"he-crash-{crash_mode}"
+    run_dir, agents = hpcelastic_job(work, name, str(NODES), [*CRASH, "--crash-mode", crash_mode])
+    timing = work / f"{name}-timing"
     wait_for(lambda: len(worker_times(timing, 0)) >= NODES * NPROC, 120)
     cpu, rss = agent_usage([a.pid for a in agents])
     codes = [a.wait(timeout=180) for a in agents]
@@ -225,12 +226,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         work = Path(tmp)
         he = bench_hpcelastic_restart(work)
+        he_kill = bench_hpcelastic_restart(work, "sigkill")
         lost_kill = bench_node_loss(work, signal.SIGKILL)
         lost_stop = bench_node_loss(work, signal.SIGSTOP)
         tr_fixed = bench_torchrun(work, "torchrun-own-store", share_store=False)
         tr_plain = bench_torchrun(work, "torchrun-default", share_store=True)
     rows = [
         ("hpcelastic agent", he),
+        ("hpcelastic agent, worker SIGKILLed instead of raising", he_kill),
         ("torchrun c10d + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", tr_fixed),
         ("torchrun c10d (default)", tr_plain),
     ]
@@ -261,7 +264,8 @@ def main() -> None:
         "exit "
         "(traceback, interpreter and torch teardown) before any launcher can see it; from that exit "
         f"(`root_cause.exit_ts`, seen through its pidfd) to all 8 new workers spawned on 4 nodes: "
-        f"{fmt(he.get('exit_to_spawned'))} (target < 0.3 s).",
+        f"{fmt(he.get('exit_to_spawned'))} (target < 0.3 s). With a crash that is a process death "
+        f"(the worker SIGKILLed), crash -> all 8 new workers spawned: {fmt(he_kill.get('to_spawned'))}.",
         f"Node loss detected (kill -> `node_lost` event): agent SIGKILLed {fmt(lost_kill)}, "
         f"agent SIGSTOPped (silent, hung node) {fmt(lost_stop)} (target < 3 s; torchrun: 15 s at best).",
         "",
