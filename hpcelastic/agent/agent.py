@@ -356,6 +356,7 @@ class Agent:
     def _stop_and_report(self, failures: list[dict[str, Any]]) -> None:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
         assert self.group is not None and self.client is not None and self._round is not None
+        failures = failures + [self.group.failure(w) for w in self.group.reap_failed()]
         self.state = State.RESTARTING
         self.group.stop(RESTART_KILL_GRACE)
         self._reported_round = self._round.round

@@ -237,6 +237,20 @@ class WorkerGroup:
         self._unregister(worker)
         return code
 
+    def reap_failed(self) -> list[Worker]:
+        """Collect workers that already exited non-zero on their own but whose exit is not processed yet.
+
+        A stop from the coordinator can arrive between a worker's death and the agent seeing its
+        pidfd: that worker failed too (two ranks crashing at once), it was not stopped.
+        """
+        failed = []
+        for w in self.running():
+            code = w.proc.poll()
+            if code not in (None, 0):
+                self.reap(w)
+                failed.append(w)
+        return failed
+
     def failure(self, worker: Worker, error: str | None = None) -> dict[str, Any]:
         """What the coordinator and the event log need to know about a failed worker."""
         assert self.round is not None
