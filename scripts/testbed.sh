@@ -168,8 +168,10 @@ up() {
   mkdir -p "$STATE/ctld"
   for i in $(seq 1 "$NODES"); do mkdir -p "$STATE/spool/node$i"; done
   if ! pgrep -x slurmctld >/dev/null; then
+    # A fresh start clears the saved state (-c): jobs of an earlier, killed testbed must not
+    # come back and hold nodes while the tests run.
     log "starting slurmctld"
-    slurmctld
+    slurmctld -c
   fi
   wait_for "slurmctld" 60 scontrol ping
   for i in $(seq 1 "$NODES"); do

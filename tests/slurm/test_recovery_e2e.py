@@ -92,6 +92,7 @@ def test_crash_loop_spends_budget_then_requeues_once_and_resumes(
     handoff = json.loads((run / "handoff.json").read_text())
     assert handoff["requeues"]["failure"] == 1
     assert final_digest(tmp_path) == reference_digest()
+    assert not wait_no_leaks(str(run))
     story = status_json(job)
     text = json.dumps(story)
     assert "restarts_exhausted" in text and "requeued" in text
@@ -114,6 +115,7 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path, slur
     assert handoff["requeues"]["failure"] == 0 and handoff["requeues"]["preempted"] == 1
     assert not named(evs, "restarting")
     assert final_digest(tmp_path) == reference_digest()
+    assert not wait_no_leaks(str(run))
 
 
 def test_node_lost_is_excluded_from_the_next_attempt(tmp_path: Path, slurm_jobs: list[str]) -> None:
@@ -133,6 +135,7 @@ def test_node_lost_is_excluded_from_the_next_attempt(tmp_path: Path, slurm_jobs:
     second = named(evs, "attempt_started")[-1]
     assert second["attempt"] == 1 and bad not in second["nodes"]
     assert final_digest(tmp_path) == reference_digest()
+    assert not wait_no_leaks(str(run))
 
 
 def test_resubmit_mode_chains_a_new_job_that_resumes(tmp_path: Path, slurm_jobs: list[str]) -> None:
@@ -156,4 +159,5 @@ def test_resubmit_mode_chains_a_new_job_that_resumes(tmp_path: Path, slurm_jobs:
     evs = events(run)
     assert [e["job_id"] for e in named(evs, "attempt_started")] == [job, second]
     assert final_digest(tmp_path) == reference_digest()
+    assert not wait_no_leaks(str(run))
     assert status_json(str(run))["current_job_id"] == second
