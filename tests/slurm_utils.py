@@ -66,16 +66,15 @@ def event_names(run_dir: Path) -> list[str]:
     return [e["event"] for e in events(run_dir)]
 
 
-def leaked_processes(marker: str) -> list[psutil.Process]:
-    """Processes whose environment has ``HPCELASTIC_RUN_DIR=<marker>`` (workers, grandchildren, agents)."""
+def leaked_processes(marker: str | os.PathLike[str]) -> list[psutil.Process]:
+    """Live processes with ``HPCELASTIC_RUN_DIR=<marker>`` in their environment (agents, workers...)."""
     found = []
-    for p in psutil.process_iter(["pid"]):
+    for p in psutil.process_iter():
         try:
-            env = p.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("HPCELASTIC_RUN_DIR") == str(marker):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if env.get("HPCELASTIC_RUN_DIR") == str(marker):
-            found.append(p)
     return found
 
 

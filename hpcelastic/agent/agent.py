@@ -99,7 +99,6 @@ class Agent:
         self._reported_round = -1
         self._preempting = False
         self._stop_deadline: float | None = None
-        self._session = "nosession"
         self.coordinator: Coordinator | None = None
         self.client: CoordinatorClient | None = None
         self.group: WorkerGroup | None = None
@@ -193,7 +192,7 @@ class Agent:
         )
         hello = {"node_rank": ctx.node_rank, "host": ctx.host, "nproc": nproc, "pid": os.getpid()}
         try:
-            welcome = self.client.connect(hello, timeout=self.spec.rdzv.timeout)
+            self.client.connect(hello, timeout=self.spec.rdzv.timeout)
         except protocol.AuthError as e:
             raise UserError(
                 f"the coordinator at {rdzv.host}:{rdzv.port} rejected this agent ({e}); every node must read "
@@ -205,7 +204,6 @@ class Agent:
             self._say(str(e))
             self._exit_code = self._on_attempt_end("coordinator_lost", EXIT_COORDINATOR_LOST, [])
             raise _Finished from None
-        self._session = str(welcome.get("session", self._session))
 
     def _prepare_workers(self, ctx: NodeContext, nproc: int) -> None:
         self._tmp = tempfile.mkdtemp(prefix="hpcelastic-agent-")
@@ -471,12 +469,8 @@ class Agent:
         run_dir = getattr(self, "run_dir", None)
         if run_dir is None:
             return exit_code
-        writer = self.coordinator is not None
-        if reason == "coordinator_lost" and not writer:
-            writer = run_dir.claim_once(
-                f"attempt-end-{self.ctx.job_id or 'local'}-{self.attempt}-{self._session}"
-            )
-        if not writer:
+        # When the coordinator is gone every survivor asks; decide() lets exactly one of them decide.
+        if self.coordinator is None and reason != "coordinator_lost":
             return exit_code
         job_id = current_job_id(self.env.environ)
         if reason == "preempted" and job_id:

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.faults.localjob import LocalJob, marked_processes
+from tests.faults.localjob import LocalJob
+from tests.slurm_utils import leaked_processes
 
 
 @pytest.fixture
@@ -29,10 +30,10 @@ def local_job(tmp_path: Path) -> Iterator[Callable[..., LocalJob]]:
                 a.kill()
                 a.wait()
         deadline = time.monotonic() + 10
-        survivors = marked_processes(job.run_dir.path)
+        survivors = leaked_processes(job.run_dir.path)
         while survivors and time.monotonic() < deadline:
             time.sleep(0.1)
-            survivors = marked_processes(job.run_dir.path)
+            survivors = leaked_processes(job.run_dir.path)
         for p in survivors:
             p.kill()
         assert not survivors, f"orphans left behind: {[(p.pid, p.cmdline()) for p in survivors]}"

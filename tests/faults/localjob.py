@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from hpcelastic.agent.launcher import LocalRun, start_agents
@@ -20,18 +19,6 @@ from hpcelastic.rundir import RunDir
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 STEPS = 16
-
-
-def marked_processes(run_dir: Path) -> list[psutil.Process]:
-    """Every live process carrying this run's marker (HPCELASTIC_RUN_DIR) in its environment."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get("HPCELASTIC_RUN_DIR") == str(run_dir):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
 
 
 class LocalJob:

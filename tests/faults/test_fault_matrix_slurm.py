@@ -117,7 +117,10 @@ def test_two_workers_on_two_nodes_crash_at_once(tmp_path: Path, slurm_jobs: list
     evs = events(run)
     assert len(named(evs, "root_cause")) == 1  # one root cause job-wide, not one per node
     assert len(named(evs, "restarting")) == 1
-    assert {e["rank"] for e in named(evs, "worker_failed")} >= {1, 3}
+    # The second crash can land while its agent is already stopping the round for the first; it
+    # is then one of the stopped workers. Either way the root cause is one of the two.
+    assert named(evs, "root_cause")[0]["rank"] in (1, 3)
+    assert {e["rank"] for e in named(evs, "worker_failed")} <= {1, 3}
 
 
 def test_crash_during_rendezvous_of_a_round(tmp_path: Path, slurm_jobs: list[str]) -> None:

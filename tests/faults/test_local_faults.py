@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.faults.localjob import EXAMPLE, REPO, marked_processes
+from tests.faults.localjob import EXAMPLE, REPO
+from tests.slurm_utils import leaked_processes
 
 
 def close(a: list[float], b: list[float], tol: float = 1e-6) -> bool:
@@ -174,7 +175,7 @@ def test_mpirun_bootstraps_the_job(tmp_path) -> None:
     assert rdzv["world_size"] == 4 and len(rdzv["hosts"]) == 2
     assert [e["event"] for e in events][-1] == "job_succeeded"
     assert (run_dir / "secret").stat().st_mode & 0o077 == 0
-    assert not marked_processes(run_dir)
+    assert not leaked_processes(run_dir)
 
 
 @pytest.mark.parametrize(

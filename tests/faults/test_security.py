@@ -38,7 +38,8 @@ from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
-from tests.faults.localjob import EXAMPLE, REPO, marked_processes
+from tests.faults.localjob import EXAMPLE, REPO
+from tests.slurm_utils import leaked_processes
 
 SECRET = "f00d" * 16
 HOSTS = ["n0", "n1", "n2"]  # nodes 0 and 1 join; node 2 is the free seat every attacker claims
@@ -388,7 +389,7 @@ def assert_private_tree(run: Path, secret: str, script_written: tuple[Path, ...]
 def _processes_of(run: Path) -> dict[str, list[tuple[list[str], dict[str, str]]]]:
     """Command lines and environments of the run's agents and workers (live processes only)."""
     out: dict[str, list[tuple[list[str], dict[str, str]]]] = {"agents": [], "workers": [], "other": []}
-    for p in marked_processes(run):
+    for p in leaked_processes(run):
         try:
             cmdline, environ = p.cmdline(), p.environ()
         except psutil.NoSuchProcess:

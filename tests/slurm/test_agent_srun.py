@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from hpcelastic.rundir import RunDir
-from tests.faults.localjob import EXAMPLE, marked_processes
+from tests.faults.localjob import EXAMPLE
+from tests.slurm_utils import leaked_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -71,7 +72,7 @@ def test_srun_crash_restarts_every_node(run: RunDir) -> None:
     assert [r["restart_count"] for r in rdzv] == [0, 1]
     cause = next(e for e in ev if e["event"] == "root_cause")
     assert (cause["rank"], cause["node"]) == (5, "node3")
-    assert not marked_processes(run.path)
+    assert not leaked_processes(run.path)
 
 
 def test_srun_agent_killed_job_goes_on_with_three_nodes(run: RunDir) -> None:
