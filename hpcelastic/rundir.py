@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
+from hpcelastic.events import Event, EventLog, EventName
 
 SECRET_BYTES = 32
 
@@ -128,14 +129,14 @@ class RunDir:
             raise UserError(f"the job secret {self.secret_path} is empty")
         return value
 
-    def append_event(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Append one event to ``events.jsonl`` and return it.
+    def record(self, event: Event, *, host: str | None = None) -> dict[str, Any]:
+        """Append one event to ``events.jsonl`` and return the written record.
 
-        ``ts`` (epoch seconds) and ``host`` are added unless given.
+        ``ts`` (epoch seconds) and ``host`` (this machine unless given) are added.
         """
-        record: dict[str, Any] = {"ts": round(time.time(), 6), "event": event}
-        record.setdefault("host", socket.gethostname())
-        record.update(fields)
+        record: dict[str, Any] = {"ts": round(time.time(), 6), "event": event.name.value}
+        record["host"] = host if host is not None else socket.gethostname()
+        record.update(event.fields)
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -144,21 +145,33 @@ class RunDir:
             os.close(fd)
         return record
 
-    def events(self) -> list[dict[str, Any]]:
-        """All events in file order; a torn last line (writer crashed mid-write) is skipped."""
-        out: list[dict[str, Any]] = []
+    def append_event(self, event: str, **fields: Any) -> dict[str, Any]:
+        """TEMPORARY during the refactor: callers move to ``record(events.<constructor>(...))``."""
+        host = fields.pop("host", None)
+        return self.record(Event(EventName(event), fields), host=host)
+
+    def events(self) -> EventLog:
+        """The event log in file order; damaged lines (a torn last line, a line that is not an
+        event object) are skipped and counted in ``EventLog.damaged``."""
+        records: list[Any] = []
+        damaged = 0
         try:
             text = self.events_path.read_text(errors="replace")
         except FileNotFoundError:
-            return out
+            return EventLog(records)
         for line in text.splitlines():
             if not line.strip():
                 continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                damaged += 1
                 continue
-        return out
+            if isinstance(obj, dict) and isinstance(obj.get("event"), str):
+                records.append(obj)
+            else:
+                damaged += 1
+        return EventLog(records, damaged)
 
     def read_meta(self) -> dict[str, Any]:
         """The submission's metadata, or an empty dict if none was written."""
@@ -173,12 +186,7 @@ class RunDir:
 
     def job_ids(self) -> list[str]:
         """Slurm job ids of this run in submission order (first submission, then resubmissions)."""
-        ids: list[str] = []
-        for ev in self.events():
-            jid = ev.get("job_id")
-            if ev.get("event") in ("submitted", "resubmitted") and jid and str(jid) not in ids:
-                ids.append(str(jid))
-        return ids
+        return self.events().job_ids()
 
     def current_job_id(self) -> str | None:
         """The job id the run is on now (the latest submission), or None."""

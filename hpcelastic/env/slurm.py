@@ -30,6 +30,21 @@ PORT_BASE = 20000
 PORT_SPAN = 10000
 
 
+def job_id(environ: Mapping[str, str]) -> str | None:
+    """The id that names this allocation to Slurm: ``<array job>_<task>`` for an array task, else
+    ``SLURM_JOB_ID``; None outside Slurm. The one job id used to requeue, resubmit and key attempts."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def restart_count(environ: Mapping[str, str]) -> int:
+    """How many times Slurm requeued this job (``SLURM_RESTART_COUNT``; 0 when unset or not a number)."""
+    value = environ.get("SLURM_RESTART_COUNT", "0")
+    return int(value) if value.isascii() and value.isdigit() else 0
+
+
 def derived_port(job_id: str | None, restart_count: int) -> int:
     """The coordinator port every agent of one job attempt computes alike (20000-29999)."""
     key = f"{job_id or 'nojob'}:{restart_count}".encode()

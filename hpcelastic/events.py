@@ -1,0 +1,336 @@
+"""The run's event vocabulary: every event name, one typed constructor per event, and the queries
+every reader of ``events.jsonl`` uses.
+
+Writers build an :class:`Event` with a constructor below and hand it to ``RunDir.record``; readers
+wrap the parsed lines in an :class:`EventLog` and ask it (``log.last(ROOT_CAUSE, attempt=k)``)
+instead of scanning the list with filters of their own. The fields of each event are documented
+in docs/ARCHITECTURE.md ("Events"), which must list the same names as :class:`EventName`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcelastic.reasons import JobEnd, Reason, RestartCause, SkipReason
+
+Record = Mapping[str, Any]
+
+
+class EventName(str, enum.Enum):
+    """Every event ``events.jsonl`` can hold."""
+
+    SUBMITTED = "submitted"
+    RESUBMITTED = "resubmitted"
+    ATTEMPT_STARTED = "attempt_started"
+    RENDEZVOUS = "rendezvous"
+    WORKERS_STARTED = "workers_started"
+    WORKER_FAILED = "worker_failed"
+    ROOT_CAUSE = "root_cause"
+    NODE_LOST = "node_lost"
+    NODE_UNHEALTHY = "node_unhealthy"
+    RESTARTING = "restarting"
+    SIGNAL_RECEIVED = "signal_received"
+    CHECKPOINT_PUBLISHED = "checkpoint_published"
+    CHECKPOINT_REJECTED = "checkpoint_rejected"
+    CHECKPOINT_MISSING = "checkpoint_missing"
+    HANDOFF_CORRUPT = "handoff_corrupt"
+    ATTEMPT_ENDED = "attempt_ended"
+    REQUEUED = "requeued"
+    REQUEUE_FAILED = "requeue_failed"
+    REQUEUE_SKIPPED = "requeue_skipped"
+    JOB_SUCCEEDED = "job_succeeded"
+    JOB_FAILED = "job_failed"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+SUBMITTED = EventName.SUBMITTED
+RESUBMITTED = EventName.RESUBMITTED
+ATTEMPT_STARTED = EventName.ATTEMPT_STARTED
+RENDEZVOUS = EventName.RENDEZVOUS
+WORKERS_STARTED = EventName.WORKERS_STARTED
+WORKER_FAILED = EventName.WORKER_FAILED
+ROOT_CAUSE = EventName.ROOT_CAUSE
+NODE_LOST = EventName.NODE_LOST
+NODE_UNHEALTHY = EventName.NODE_UNHEALTHY
+RESTARTING = EventName.RESTARTING
+SIGNAL_RECEIVED = EventName.SIGNAL_RECEIVED
+CHECKPOINT_PUBLISHED = EventName.CHECKPOINT_PUBLISHED
+CHECKPOINT_REJECTED = EventName.CHECKPOINT_REJECTED
+CHECKPOINT_MISSING = EventName.CHECKPOINT_MISSING
+HANDOFF_CORRUPT = EventName.HANDOFF_CORRUPT
+ATTEMPT_ENDED = EventName.ATTEMPT_ENDED
+REQUEUED = EventName.REQUEUED
+REQUEUE_FAILED = EventName.REQUEUE_FAILED
+REQUEUE_SKIPPED = EventName.REQUEUE_SKIPPED
+JOB_SUCCEEDED = EventName.JOB_SUCCEEDED
+JOB_FAILED = EventName.JOB_FAILED
+CANCELLED = EventName.CANCELLED
+
+#: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
+FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
+#: Events that bring a job id into the run (first submission, then resubmissions).
+JOB_ID_EVENTS = (SUBMITTED, RESUBMITTED)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event to record: its name and its fields (``ts`` and ``host`` are added when written)."""
+
+    name: EventName
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def _plain(value: Any) -> Any:
+    """Enums as their strings, so that the written line holds plain JSON values."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _event(name: EventName, **fields: Any) -> Event:
+    return Event(name, {k: _plain(v) for k, v in fields.items()})
+
+
+# ---- submission -------------------------------------------------------------------------------
+def submitted(*, job_id: str, backend: str, nodes: str, script: str) -> Event:
+    return _event(SUBMITTED, job_id=job_id, backend=backend, nodes=nodes, script=script)
+
+
+def resubmitted(
+    *,
+    job_id: str,
+    previous_job_id: str,
+    exclude: Sequence[str],
+    reason: Reason,
+    attempt: int,
+    duration_s: float,
+) -> Event:
+    return _event(
+        RESUBMITTED,
+        job_id=job_id,
+        previous_job_id=previous_job_id,
+        dependency=f"afterany:{previous_job_id}",
+        exclude=list(exclude),
+        reason=reason,
+        attempt=attempt,
+        duration_s=duration_s,
+    )
+
+
+def cancelled(*, job_id: str) -> Event:
+    return _event(CANCELLED, job_id=job_id)
+
+
+# ---- one attempt ------------------------------------------------------------------------------
+def attempt_started(*, attempt: int, job_id: str, restart_count_slurm: int, nodes: Sequence[str]) -> Event:
+    return _event(
+        ATTEMPT_STARTED,
+        attempt=attempt,
+        job_id=job_id,
+        restart_count_slurm=restart_count_slurm,
+        nodes=list(nodes),
+    )
+
+
+def rendezvous(
+    *,
+    round: int,
+    hosts: Sequence[str],
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    restart_count: int,
+) -> Event:
+    return _event(
+        RENDEZVOUS,
+        round=round,
+        hosts=list(hosts),
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        restart_count=restart_count,
+    )
+
+
+def workers_started(*, round: int, world_size: int, spawned_ts: float) -> Event:
+    return _event(WORKERS_STARTED, round=round, world_size=world_size, spawned_ts=spawned_ts)
+
+
+def worker_failed(failure: Mapping[str, Any], *, exit_ts: float | None) -> Event:
+    """A worker failure as the agents report it (the keys of :data:`FAILURE_FIELDS`)."""
+    return _event(WORKER_FAILED, **{k: failure.get(k) for k in FAILURE_FIELDS}, exit_ts=exit_ts)
+
+
+def root_cause(failure: Mapping[str, Any], *, traceback: str, exit_ts: float | None) -> Event:
+    """The first failure of a round, job-wide: the fields of ``worker_failed`` and the traceback."""
+    return _event(
+        ROOT_CAUSE, **{k: failure.get(k) for k in FAILURE_FIELDS}, traceback=traceback, exit_ts=exit_ts
+    )
+
+
+def node_lost(*, node_rank: int, node: str, reason: str) -> Event:
+    return _event(NODE_LOST, node_rank=node_rank, node=node, reason=reason)
+
+
+def node_unhealthy(*, node: str, gpu: str, reason: str) -> Event:
+    return _event(NODE_UNHEALTHY, node=node, gpu=gpu, reason=reason)
+
+
+def restarting(*, round: int, restart_count: int, max_restarts: int, reason: RestartCause) -> Event:
+    return _event(
+        RESTARTING, round=round, restart_count=restart_count, max_restarts=max_restarts, reason=reason
+    )
+
+
+def signal_received(*, signal: str, node_rank: int) -> Event:
+    return _event(SIGNAL_RECEIVED, signal=signal, node_rank=node_rank)
+
+
+# ---- checkpoints and the handoff record -------------------------------------------------------
+def checkpoint_published(*, path: str, step: int, attempt: int, rank: int, checkpoint_dir: str) -> Event:
+    return _event(
+        CHECKPOINT_PUBLISHED, path=path, step=step, attempt=attempt, rank=rank, checkpoint_dir=checkpoint_dir
+    )
+
+
+def checkpoint_rejected(*, path: str, step: int, attempt: int, rank: int, why: str) -> Event:
+    return _event(CHECKPOINT_REJECTED, path=path, step=step, attempt=attempt, rank=rank, why=why)
+
+
+def checkpoint_missing(*, path: str, fallback: str | None) -> Event:
+    return _event(CHECKPOINT_MISSING, path=path, fallback=fallback)
+
+
+def handoff_corrupt(*, error: str, recovered_attempt: int, recovered_checkpoint: str | None) -> Event:
+    return _event(
+        HANDOFF_CORRUPT,
+        error=error,
+        recovered_attempt=recovered_attempt,
+        recovered_checkpoint=recovered_checkpoint,
+    )
+
+
+# ---- the end of an attempt and of the job -----------------------------------------------------
+def attempt_ended(
+    *,
+    attempt: int,
+    reason: Reason,
+    exit_code: int,
+    signature: str | None,
+    progressed: bool,
+    bad_nodes: Sequence[str] = (),
+) -> Event:
+    return _event(
+        ATTEMPT_ENDED,
+        attempt=attempt,
+        reason=reason,
+        exit_code=exit_code,
+        signature=signature,
+        progressed=progressed,
+        bad_nodes=list(bad_nodes),
+    )
+
+
+def requeued(
+    *,
+    job_id: str,
+    attempt: int,
+    reason: Reason,
+    exclude: Sequence[str],
+    duration_s: float,
+    note: str | None,
+) -> Event:
+    return _event(
+        REQUEUED,
+        job_id=job_id,
+        attempt=attempt,
+        reason=reason,
+        exclude=list(exclude),
+        duration_s=duration_s,
+        note=note,
+    )
+
+
+def requeue_failed(*, error: str, fallback: str, job_id: str, attempt: int) -> Event:
+    return _event(REQUEUE_FAILED, error=error, fallback=fallback, job_id=job_id, attempt=attempt)
+
+
+def requeue_skipped(*, reason: SkipReason, attempt: int, detail: str) -> Event:
+    return _event(REQUEUE_SKIPPED, reason=reason, attempt=attempt, detail=detail)
+
+
+def job_succeeded(*, attempt: int) -> Event:
+    return _event(JOB_SUCCEEDED, exit_code=Reason.SUCCEEDED.exit_code, reason=Reason.SUCCEEDED, attempt=attempt)
+
+
+def job_failed(*, exit_code: int, reason: Reason | JobEnd, attempt: int) -> Event:
+    return _event(JOB_FAILED, exit_code=exit_code, reason=reason, attempt=attempt)
+
+
+# ---- reading ----------------------------------------------------------------------------------
+class EventLog(Sequence[Record]):
+    """The parsed event log, oldest first, with the queries its readers need.
+
+    Only JSON objects with a string ``event`` are kept, so readers can index fields without checks
+    of their own; ``damaged`` counts the lines that were skipped.
+    """
+
+    def __init__(self, records: Iterable[Any], damaged: int = 0) -> None:
+        kept = [r for r in records if isinstance(r, Mapping) and isinstance(r.get("event"), str)]
+        self._records: list[Record] = kept
+        self.damaged = damaged
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._records[index]
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._records)
+
+    def of(self, *names: EventName, **match: Any) -> list[Record]:
+        """The events named ``names`` (all events when none) whose fields equal ``match``, oldest first."""
+        wanted = {str(n) for n in names}
+        return [
+            r
+            for r in self._records
+            if (not wanted or r["event"] in wanted) and all(r.get(k) == _plain(v) for k, v in match.items())
+        ]
+
+    def first(self, *names: EventName, **match: Any) -> Record | None:
+        found = self.of(*names, **match)
+        return found[0] if found else None
+
+    def last(self, *names: EventName, **match: Any) -> Record | None:
+        found = self.of(*names, **match)
+        return found[-1] if found else None
+
+    def since_last(self, name: EventName) -> EventLog:
+        """The events after the newest ``name`` event (all of them when there is none)."""
+        for i in range(len(self._records) - 1, -1, -1):
+            if self._records[i]["event"] == str(name):
+                return EventLog(self._records[i + 1 :])
+        return EventLog(self._records)
+
+    def job_ids(self) -> list[str]:
+        """The run's Slurm job ids in submission order (first submission, then resubmissions)."""
+        ids: list[str] = []
+        for r in self.of(*JOB_ID_EVENTS):
+            jid = r.get("job_id")
+            if jid and str(jid) not in ids:
+                ids.append(str(jid))
+        return ids
+
+    def ended_reason(self, attempt: int) -> Reason | None:
+        """How ``attempt`` ended, from its ``attempt_ended`` event."""
+        ended = self.last(ATTEMPT_ENDED, attempt=attempt)
+        return Reason.parse(ended.get("reason")) if ended else None
+
+    def published_attempts(self) -> set[int]:
+        """The attempts in which a checkpoint was published."""
+        return {r["attempt"] for r in self.of(CHECKPOINT_PUBLISHED) if isinstance(r.get("attempt"), int)}
