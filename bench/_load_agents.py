@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hpcelastic.agent import protocol
+from hpcelastic.agent import messages, protocol
 from hpcelastic.agent.client import CHALLENGE_TIMEOUT
 
 LOOP_LIMIT_S = 600.0
@@ -61,6 +61,11 @@ class AgentSwarm:
         self.connect_ts: float | None = None
         self.announced: set[int] = set()
         self.running = True
+        self.handlers: messages.Handlers = {
+            messages.Round: self._on_round,
+            messages.Stop: self._on_stop,
+            messages.Finish: self._on_finish,
+        }
 
     # ---- driver commands --------------------------------------------------------------------
     def command(self, cmd: tuple[Any, ...]) -> None:
@@ -85,7 +90,7 @@ class AgentSwarm:
             self.ctl.send(("silenced", a.rank, time.time()))
         elif name == "done":
             for a in self._live():
-                self._send(a, {"t": "done", "round": a.round})
+                self._send(a, messages.Done(a.round))
         elif name == "report":
             self.ctl.send(("report", self.report()))
         elif name == "exit":
@@ -144,26 +149,27 @@ class AgentSwarm:
             "traceback": "",
             "ts": time.time(),
         }
-        self._send(a, {"t": "failed", "round": a.round, "failures": [failure]})
-        self._send(a, {"t": "stopped", "round": a.round, "failures": []})
+        self._send(a, messages.Failed(a.round, (failure,)))
+        self._send(a, messages.Stopped(a.round))
         a.reported_round = a.round
         self.ctl.send(("failed", a.rank, failure["ts"]))
 
-    def _on_message(self, a: SimAgent, msg: dict[str, Any]) -> None:
-        t, now = msg["t"], time.time()
-        if t == "round":
-            a.round = int(msg["round"])
-            a.rounds[a.round] = now
-            self._send(a, {"t": "started", "round": a.round, "ts": now})
-            self._maybe_announce(a.round)
-        elif t == "stop":
-            a.stops.setdefault(int(msg["round"]), now)
-            if msg["round"] == a.round and a.reported_round != a.round:
-                a.reported_round = a.round
-                self._send(a, {"t": "stopped", "round": a.round, "failures": []})
-        elif t == "finish":
-            a.finish = {**msg, "ts": now}
-            self._close(a)
+    def _on_round(self, msg: messages.Round, a: SimAgent) -> None:
+        now = time.time()
+        a.round = msg.round
+        a.rounds[a.round] = now
+        self._send(a, messages.Started(a.round, now))
+        self._maybe_announce(a.round)
+
+    def _on_stop(self, msg: messages.Stop, a: SimAgent) -> None:
+        a.stops.setdefault(msg.round, time.time())
+        if msg.round == a.round and a.reported_round != a.round:
+            a.reported_round = a.round
+            self._send(a, messages.Stopped(a.round))
+
+    def _on_finish(self, msg: messages.Finish, a: SimAgent) -> None:
+        a.finish = {**messages.encode(msg), "ts": time.time()}
+        self._close(a)
 
     def _live(self) -> list[SimAgent]:
         return [a for a in self.agents.values() if a.joined and not a.gone]
@@ -178,10 +184,10 @@ class AgentSwarm:
             self.ctl.send(("round", rnd, max(a.rounds[rnd] for a in live)))
 
     # ---- I/O --------------------------------------------------------------------------------
-    def _send(self, a: SimAgent, msg: dict[str, Any]) -> None:
+    def _send(self, a: SimAgent, msg: messages.Message) -> None:
         if a.session is None or a.sock is None or a.gone:
             return
-        a.out += a.session.encode(msg)
+        a.out += a.session.encode(messages.encode(msg))
         self._flush(a)
 
     def _flush(self, a: SimAgent) -> None:
@@ -214,18 +220,18 @@ class AgentSwarm:
                 if a.gone:
                     return
                 if a.session is None:
-                    hello = {"node_rank": a.rank, "host": f"sim{a.rank}", "nproc": 1, "pid": a.rank}
-                    a.session, frame = protocol.client_hello(self.secret, payload, hello)
+                    hello = messages.Hello(node_rank=a.rank, host=f"sim{a.rank}", nproc=1, pid=a.rank)
+                    a.session, frame = protocol.client_hello(self.secret, payload, messages.encode(hello))
                     a.out += frame
                     self._flush(a)
                 elif not a.joined:
                     protocol.client_welcome(a.session, payload)
                     a.joined, a.welcome_ts = True, time.time()
                 else:
-                    msg = a.session.decode(payload)
-                    if msg["t"] != "hb":
-                        self._on_message(a, msg)
-        except protocol.ProtocolError as e:
+                    msg = messages.decode(messages.FROM_COORDINATOR, a.session.decode(payload))
+                    if msg is not None:
+                        messages.dispatch(self.handlers, msg, a)
+        except (protocol.ProtocolError, messages.InvalidMessage) as e:
             self._lose(a, f"{type(e).__name__}: {e}")
 
     def _lose(self, a: SimAgent, why: str) -> None:
@@ -244,7 +250,7 @@ class AgentSwarm:
     def _heartbeat(self) -> None:
         for a in self._live():
             if not a.silent:
-                self._send(a, {"t": "hb"})
+                self._send(a, messages.Heartbeat())
 
     def run(self) -> None:
         """Serve until the driver says ``exit`` (or the loop's hard time limit passes)."""

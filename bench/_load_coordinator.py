@@ -12,6 +12,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from hpcelastic.agent import messages
 from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.env.base import listen
@@ -55,7 +56,7 @@ def coordinator_main(
         (
             "result",
             {
-                "result": state.result,
+                "result": None if state.result is None else messages.encode(state.result),
                 "round": state.round,
                 "cpu_s": usage.ru_utime + usage.ru_stime,
                 "maxrss_mb": usage.ru_maxrss / 1024,

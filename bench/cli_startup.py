@@ -3,7 +3,7 @@
 Each command runs in a fresh interpreter with ``-X importtime``; the script fails if torch (or, for
 ``--help``, Jinja2/PyYAML) was imported. Writes the "cli_startup" section of bench/RESULTS.md.
 
-    python bench/cli_startup.py [--runs 15]
+    python bench/cli_startup.py [--runs 15] [--no-write]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def measure(argv: list[str], cwd: str, runs: int, forbidden: tuple[str, ...]) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "train.py").write_text("print('hi')\n")
@@ -87,7 +88,8 @@ def main() -> None:
         ]
     )
     print(text)
-    update_section("cli_startup", text)
+    if not args.no_write:
+        update_section("cli_startup", text)
 
 
 def measure_python(cwd: str, runs: int) -> list[float]:

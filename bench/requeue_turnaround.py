@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import machine_line, update_section  # noqa: E402
 
-from hpcelastic import handoff  # noqa: E402
+from hpcelastic import events, handoff  # noqa: E402
 from hpcelastic.errors import SlurmError  # noqa: E402
 from hpcelastic.jobs import slurm  # noqa: E402
-from hpcelastic.requeue import RequeuePolicy  # noqa: E402
+from hpcelastic.lifecycle.executor import Executor  # noqa: E402
+from hpcelastic.lifecycle.policy import AttemptEnd, Settings  # noqa: E402
+from hpcelastic.reasons import Reason  # noqa: E402
 from hpcelastic.rundir import RunDir  # noqa: E402
 
 SCRIPT = """#!/bin/bash
@@ -66,18 +68,19 @@ def _run_mode(base: Path, mode: str, n: int, submitted: list[str]) -> tuple[list
         rd = RunDir.create(base / f"{mode}-{i}")
         rd.script_path.write_text(SCRIPT.format(run=rd.path))
         job_id = slurm.sbatch(rd.script_path, cwd=rd.path)
-        rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+        rd.record(events.submitted(job_id=job_id, backend="sbatch", nodes="1", script=str(rd.script_path)))
         submitted.append(job_id)
         runs.append((rd, job_id))
     found = _wait([j for _, j in runs], ("RUNNING",))
-    policy = RequeuePolicy(mode, 1, say=lambda m: None)
+    executor, settings = Executor(say=lambda m: None), Settings.parse(mode, 1)
     tool: list[float] = []
     pending: list[float] = []
     for rd, job_id in runs:
         node = found[job_id].nodes
         attempt = handoff.begin_attempt(rd, job_id, 0, [node])
         t0 = time.monotonic()
-        out = policy.decide(rd, attempt, "node_unhealthy", 7, [node], job_id)
+        end = AttemptEnd(attempt, Reason.NODE_UNHEALTHY, Reason.NODE_UNHEALTHY.exit_code, job_id, (node,))
+        out = executor.conclude(rd, end, settings)
         if out.action != ("requeued" if mode == "requeue" else "resubmitted") or out.duration_s is None:
             raise SystemExit(f"{mode}: unexpected outcome {out}")
         tool.append(out.duration_s)
@@ -120,8 +123,8 @@ def main() -> int:
             "",
             machine_line() + " Slurm testbed: 4 emulated nodes on this host.",
             "",
-            "Tool's share = `RequeuePolicy.decide` from the decision to Slurm accepting the job as pending",
-            "again (claim, events, handoff record, `scontrol requeue` + ExcNodeList of its node, or",
+            "Tool's share = `Executor.conclude` from the decision to Slurm accepting the job as pending",
+            "again (claim, events, `scontrol requeue` + ExcNodeList of its node, or",
             "`sbatch --dependency=afterany` with `--exclude`), as recorded in the event's `duration_s`.",
             "Target: under 1 s. 'Until squeue says PENDING' adds Slurm killing the old allocation.",
             "",

@@ -15,81 +15,31 @@ from typing import Any
 
 from hpcelastic.callable_runner import RESULT_FILE
 from hpcelastic.errors import UserError
-from hpcelastic.jobs.spec import JobSpec, parse_env, parse_signal
+from hpcelastic.jobs.spec import JobSpec
 from hpcelastic.rundir import RunDir
 
 CALLABLE_FILE = "callable.pkl"
 
 CALLABLE_RUNNER = "hpcelastic.callable_runner"
-# squeue states after which a job id will not run again (a requeued job goes back to PENDING).
-TERMINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-)
 
 
 def prepare(
-    script: str,
-    script_args: Sequence[str] = (),
-    *,
-    module: bool = False,
-    nodes: str | int = 1,
-    gpus_per_node: int | None = None,
-    nproc_per_node: str | int | None = None,
-    time: str | None = None,
-    partition: str | None = None,
-    account: str | None = None,
-    qos: str | None = None,
-    constraint: str | None = None,
-    exclude: str | None = None,
-    job_name: str | None = None,
-    site: str | None = None,
-    max_restarts: int | None = None,
-    max_requeues: int | None = None,
-    checkpoint_dir: str | None = None,
-    run_dir: str | None = None,
-    signal: str | None = None,
-    env: Mapping[str, str] | Sequence[str] | None = None,
-    sbatch_args: Sequence[str] = (),
-    template: str | None = None,
-    backend: str | None = None,
-    cwd: str | None = None,
+    script: str, script_args: Sequence[str] = (), *, cwd: str | None = None, **options: Any
 ) -> JobSpec:
-    """Layer the configuration, apply these options on top and validate: the :class:`JobSpec`."""
+    """Layer the configuration, apply ``options`` on top and validate: the :class:`JobSpec`.
+
+    ``options`` are ``hpcelastic submit``'s options as keywords (:data:`~hpcelastic.jobs.options.API_NAMES`:
+    ``nodes``, ``gpus_per_node``, ``time``, ``site``, ``signal="USR2@180"``, ``env`` (a mapping or
+    ``KEY=VALUE`` strings), ``module``, ...); None leaves an option to the site configuration.
+    """
     from hpcelastic import sites
+    from hpcelastic.jobs.options import split
     from hpcelastic.jobs.spec import build_spec
 
-    sig, lead = parse_signal(signal) if signal else (None, None)
-    overrides = {
-        "gpus_per_node": gpus_per_node,
-        "time": time,
-        "partition": partition,
-        "account": account,
-        "qos": qos,
-        "constraint": constraint,
-        "exclude": exclude,
-        "max_restarts": max_restarts,
-        "requeue.max_requeues": max_requeues,
-        "signal.name": sig,
-        "signal.lead_time": lead,
-        "template": template,
-        "backend": backend,
-    }
-    config = sites.resolve(site, overrides)
-    env_map = dict(env) if isinstance(env, Mapping) else parse_env(list(env or ()))
-    return build_spec(
-        config,
-        script=script,
-        script_args=script_args,
-        module=module,
-        nodes=nodes,
-        nproc_per_node=nproc_per_node,
-        job_name=job_name,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        env=env_map,
-        sbatch_args=sbatch_args,
-        cwd=cwd,
-    )
+    overrides, rest = split(options)
+    given = {k: v for k, v in rest.items() if v is not None}
+    config = sites.resolve(given.pop("site", None), overrides)
+    return build_spec(config, script=script, script_args=script_args, cwd=cwd, **given)
 
 
 @dataclass(frozen=True)
@@ -100,35 +50,37 @@ class Job:
     run_dir: Path
 
     @property
-    def current_job_id(self) -> str:
+    def latest_job_id(self) -> str:
         """The job id the run is on now (differs from ``job_id`` after a resubmission)."""
-        return RunDir(self.run_dir).current_job_id() or self.job_id
+        return RunDir(self.run_dir).latest_job_id() or self.job_id
 
     def state(self) -> str:
         """Slurm's state of the current job (``PENDING``, ``RUNNING``, ``COMPLETED``...), or ``UNKNOWN``."""
-        return _state_of(self.current_job_id)
+        return _state_of(self.latest_job_id)
 
     def cancel(self) -> None:
         """Cancel the current job (``scancel``)."""
         from hpcelastic.jobs import slurm
 
-        slurm.cancel(self.current_job_id)
+        slurm.cancel(self.latest_job_id)
 
     def wait(self, poll_s: float = 10.0, timeout_s: float | None = None) -> str:
-        """Block until the current job reaches a final state and return it.
+        """Block until the current job reaches a final state (:data:`jobs.slurm.ENDED_STATES`) and return it.
 
         Raises TimeoutError after ``timeout_s``. A job Slurm has forgotten counts as ``UNKNOWN``
         (final): ``hpcelastic status`` tells from the run directory how it ended.
         """
+        from hpcelastic.jobs.slurm import ENDED_STATES
+
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            jid = self.current_job_id
+            jid = self.latest_job_id
             state = _state_of(jid)
             # a resubmission may have replaced the job meanwhile: stop only on the newest id
-            if (state in TERMINAL_STATES or state == "UNKNOWN") and self.current_job_id == jid:
+            if (state in ENDED_STATES or state == "UNKNOWN") and self.latest_job_id == jid:
                 return state
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.current_job_id} still {state} after {timeout_s} s")
+                raise TimeoutError(f"job {self.latest_job_id} still {state} after {timeout_s} s")
             time.sleep(poll_s)
 
     def result(self) -> Any:

@@ -44,6 +44,7 @@ class EventName(str, enum.Enum):
     JOB_SUCCEEDED = "job_succeeded"
     JOB_FAILED = "job_failed"
     CANCELLED = "cancelled"
+    PROGRESS = "progress"
 
     def __str__(self) -> str:
         return self.value
@@ -71,6 +72,7 @@ REQUEUE_SKIPPED = EventName.REQUEUE_SKIPPED
 JOB_SUCCEEDED = EventName.JOB_SUCCEEDED
 JOB_FAILED = EventName.JOB_FAILED
 CANCELLED = EventName.CANCELLED
+PROGRESS = EventName.PROGRESS
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -264,7 +266,9 @@ def requeue_skipped(*, reason: SkipReason, attempt: int, detail: str) -> Event:
 
 
 def job_succeeded(*, attempt: int) -> Event:
-    return _event(JOB_SUCCEEDED, exit_code=Reason.SUCCEEDED.exit_code, reason=Reason.SUCCEEDED, attempt=attempt)
+    return _event(
+        JOB_SUCCEEDED, exit_code=Reason.SUCCEEDED.exit_code, reason=Reason.SUCCEEDED, attempt=attempt
+    )
 
 
 def job_failed(*, exit_code: int, reason: Reason | JobEnd, attempt: int) -> Event:
@@ -334,3 +338,31 @@ class EventLog(Sequence[Record]):
     def published_attempts(self) -> set[int]:
         """The attempts in which a checkpoint was published."""
         return {r["attempt"] for r in self.of(CHECKPOINT_PUBLISHED) if isinstance(r.get("attempt"), int)}
+
+
+# ---- training progress (appended for the lost-time ledger, hpcelastic/ledger.py) -------------
+class ProgressMark(str, enum.Enum):
+    """Which kind of ``progress`` event: the round's first step, a periodic mark, or the round's last."""
+
+    FIRST = "first"
+    PERIODIC = "periodic"
+    LAST = "last"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The least time between two ``periodic`` progress marks of a round (keeps ``events.jsonl`` small).
+PROGRESS_INTERVAL_S = 60.0
+
+
+def progress(*, attempt: int, round: int, step: int, step_ts: float, mark: ProgressMark, ranks: int) -> Event:
+    """Training progress from the workers' heartbeats, written by the coordinator.
+
+    ``step``: the highest step any rank of the round reported so far; ``step_ts``: the worker's
+    time of that heartbeat; ``ranks``: how many ranks have reported a step in this round. ``first``
+    as soon as the round's first heartbeat arrives, ``periodic`` at most once per
+    :data:`PROGRESS_INTERVAL_S`, ``last`` when the round stops (failure, preemption or the end), if
+    a step was reported since the previous mark.
+    """
+    return _event(PROGRESS, attempt=attempt, round=round, step=step, step_ts=step_ts, mark=mark, ranks=ranks)

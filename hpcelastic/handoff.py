@@ -1,4 +1,4 @@
-"""The handoff record: the latest published checkpoint, the attempt number and why the last attempt ended.
+"""The handoff record: the current allocation's attempt number and the latest published checkpoint.
 
 ``<run>/handoff.json`` is rewritten atomically under ``RunDir.locked("handoff")``, so a crash at any
 moment leaves the old record or the new one. A copy of the checkpoint object goes to
@@ -15,26 +15,28 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcelastic import events
 from hpcelastic.errors import UserError
 from hpcelastic.rundir import RunDir, write_json_atomic
 
 VERSION = 1
 LATEST_FILE = "hpcelastic-latest.json"
-REQUEUE_COUNTERS = ("failure", "preempted", "time_limit", "node_unhealthy")
 RESUME_PLACEHOLDER = "{resume}"
-
-
-def _counters() -> dict[str, int]:
-    return dict.fromkeys(REQUEUE_COUNTERS, 0)
 
 
 @dataclass
 class HandoffRecord:
-    """Contents of ``<run>/handoff.json`` (see docs/ARCHITECTURE.md, "Handoff record")."""
+    """Contents of ``<run>/handoff.json`` (see docs/ARCHITECTURE.md, "Handoff record").
+
+    Only what the event log cannot give: the identity of the current allocation (``attempt``,
+    ``job_id``, ``restart_count_slurm``) and the checkpoint to resume from. How attempts ended,
+    requeue counts and excluded nodes are read from the event log (``lifecycle.history``).
+    Records written by older versions may hold more keys; they are ignored.
+    """
 
     version: int = VERSION
     attempt: int = 0
@@ -42,9 +44,6 @@ class HandoffRecord:
     restart_count_slurm: int | None = None
     checkpoint_dir: str | None = None
     checkpoint: dict[str, Any] | None = None
-    last_end: dict[str, Any] | None = None
-    requeues: dict[str, int] = field(default_factory=_counters)
-    bad_nodes: list[str] = field(default_factory=list)
 
     @property
     def started(self) -> bool:
@@ -66,17 +65,6 @@ class HandoffRecord:
         ckpt = obj.get("checkpoint")
         if ckpt is not None and not (isinstance(ckpt, dict) and isinstance(ckpt.get("path"), str)):
             raise ValueError("'checkpoint' has no 'path'")
-        last_end = obj.get("last_end")
-        if last_end is not None and not isinstance(last_end, dict):
-            raise ValueError("'last_end' is not an object")
-        requeues = _counters()
-        raw = obj.get("requeues") or {}
-        if not isinstance(raw, dict) or not all(isinstance(v, int) for v in raw.values()):
-            raise ValueError("'requeues' is not a map of counters")
-        requeues.update(raw)
-        bad = obj.get("bad_nodes") or []
-        if not isinstance(bad, list):
-            raise ValueError("'bad_nodes' is not a list")
         rc = obj.get("restart_count_slurm")
         return cls(
             attempt=obj["attempt"],
@@ -84,9 +72,6 @@ class HandoffRecord:
             restart_count_slurm=None if rc is None else int(rc),
             checkpoint_dir=obj.get("checkpoint_dir"),
             checkpoint=ckpt,
-            last_end=last_end,
-            requeues=requeues,
-            bad_nodes=[str(n) for n in bad],
         )
 
 
@@ -111,30 +96,19 @@ def _read_latest_file(checkpoint_dir: str | None) -> dict[str, Any] | None:
 def _recover(rd: RunDir, error: str) -> HandoffRecord:
     """Rebuild a record from the event log and ``hpcelastic-latest.json`` after corruption."""
     rec = HandoffRecord()
-    events = rd.events()
-    ckpt_dirs: list[str] = []
-    for ev in events:
-        kind = ev.get("event")
-        if kind == "attempt_started" and isinstance(ev.get("attempt"), int) and ev["attempt"] >= rec.attempt:
-            rec.attempt = ev["attempt"]
-            rec.job_id = str(ev.get("job_id"))
-            rc = ev.get("restart_count_slurm")
-            rec.restart_count_slurm = int(rc) if isinstance(rc, int) else None
-        elif kind == "checkpoint_published":
-            rec.checkpoint = {k: ev.get(k) for k in ("path", "step", "attempt", "rank")}
-            rec.checkpoint["published_at"] = ev.get("ts")
-            if ev.get("checkpoint_dir") and ev["checkpoint_dir"] not in ckpt_dirs:
-                ckpt_dirs.append(ev["checkpoint_dir"])
-        elif kind == "attempt_ended":
-            rec.last_end = {
-                k: ev.get(k) for k in ("attempt", "reason", "exit_code", "signature", "progressed")
-            }
-            rec.last_end["ts"] = ev.get("ts")
-        elif kind in ("requeued", "resubmitted"):
-            rec.requeues[counter_for(str(ev.get("reason")))] += 1
-            for n in ev.get("exclude") or []:
-                if n not in rec.bad_nodes:
-                    rec.bad_nodes.append(n)
+    log = rd.events()
+    started = [e for e in log.of(events.ATTEMPT_STARTED) if isinstance(e.get("attempt"), int)]
+    if started:
+        newest = max(reversed(started), key=lambda e: e["attempt"])  # the last start of the newest attempt
+        rc = newest.get("restart_count_slurm")
+        rec.attempt, rec.job_id = newest["attempt"], str(newest.get("job_id"))
+        rec.restart_count_slurm = int(rc) if isinstance(rc, int) else None
+    published = log.of(events.CHECKPOINT_PUBLISHED)
+    if published:
+        last = published[-1]
+        rec.checkpoint = {k: last.get(k) for k in ("path", "step", "attempt", "rank")}
+        rec.checkpoint["published_at"] = last.get("ts")
+    ckpt_dirs = list(dict.fromkeys(str(e["checkpoint_dir"]) for e in published if e.get("checkpoint_dir")))
     for d in ckpt_dirs:
         latest = _read_latest_file(d)
         newer = latest and (
@@ -145,11 +119,12 @@ def _recover(rd: RunDir, error: str) -> HandoffRecord:
             rec.checkpoint = latest
     if ckpt_dirs:
         rec.checkpoint_dir = ckpt_dirs[-1]
-    rd.append_event(
-        "handoff_corrupt",
-        error=error,
-        recovered_attempt=rec.attempt,
-        recovered_checkpoint=(rec.checkpoint or {}).get("path"),
+    rd.record(
+        events.handoff_corrupt(
+            error=error,
+            recovered_attempt=rec.attempt,
+            recovered_checkpoint=(rec.checkpoint or {}).get("path"),
+        )
     )
     _warn(
         f"the handoff record {rd.handoff_path} was damaged ({error}); rebuilt it from the event log: "
@@ -202,19 +177,6 @@ def load(run_dir: RunDir | str | os.PathLike[str]) -> HandoffRecord:
     return rec
 
 
-def counter_for(reason: str) -> str:
-    """Which requeue counter a requeue for ``reason`` increments."""
-    return reason if reason in ("preempted", "time_limit", "node_unhealthy") else "failure"
-
-
-def count_requeue(run_dir: RunDir | str | os.PathLike[str], reason: str, bad_nodes: Sequence[str]) -> None:
-    """Count one requeue for ``reason`` and remember the run's excluded nodes."""
-    with _update(_rundir(run_dir)) as rec:
-        key = counter_for(reason)
-        rec.requeues[key] = rec.requeues.get(key, 0) + 1
-        rec.bad_nodes = list(dict.fromkeys([*rec.bad_nodes, *bad_nodes]))
-
-
 def begin_attempt(
     run_dir: RunDir | str | os.PathLike[str],
     job_id: str | int,
@@ -241,12 +203,10 @@ def begin_attempt(
         rec.restart_count_slurm = int(slurm_restart_count)
         attempt = rec.attempt
         _write(rd, rec)
-    rd.append_event(
-        "attempt_started",
-        attempt=attempt,
-        job_id=str(job_id),
-        restart_count_slurm=int(slurm_restart_count),
-        nodes=list(nodes),
+    rd.record(
+        events.attempt_started(
+            attempt=attempt, job_id=str(job_id), restart_count_slurm=int(slurm_restart_count), nodes=nodes
+        )
     )
     return attempt
 
@@ -288,8 +248,8 @@ def publish(
     rd = _rundir(run_dir)
     p = Path(os.path.abspath(path))
     if not p.exists():
-        rd.append_event(
-            "checkpoint_rejected", path=str(p), step=step, attempt=attempt, rank=rank, why="missing"
+        rd.record(
+            events.checkpoint_rejected(path=str(p), step=step, attempt=attempt, rank=rank, why="missing")
         )
         raise UserError(
             f"cannot publish checkpoint {p}: it does not exist; save it completely, then publish it"
@@ -305,58 +265,21 @@ def publish(
     try:
         write_latest_file(ckpt_dir, ckpt)
     except (UserError, OSError) as e:
-        rd.append_event("checkpoint_rejected", path=str(p), step=step, attempt=attempt, rank=rank, why=str(e))
+        rd.record(events.checkpoint_rejected(path=str(p), step=step, attempt=attempt, rank=rank, why=str(e)))
         raise UserError(str(e)) from None
     with _update(rd) as rec:
         rec.checkpoint = ckpt
         rec.checkpoint_dir = ckpt_dir
-    rd.append_event(
-        "checkpoint_published",
-        path=str(p),
-        step=int(step),
-        attempt=int(attempt),
-        rank=int(rank),
-        checkpoint_dir=ckpt_dir,
+    rd.record(
+        events.checkpoint_published(
+            path=str(p), step=int(step), attempt=int(attempt), rank=int(rank), checkpoint_dir=ckpt_dir
+        )
     )
     return ckpt
 
 
-def record_attempt_end(
-    run_dir: RunDir | str | os.PathLike[str],
-    attempt: int,
-    reason: str,
-    exit_code: int,
-    *,
-    signature: str | None = None,
-    progressed: bool = False,
-) -> bool:
-    """Record why ``attempt`` ended (``last_end`` and an ``attempt_ended`` event).
-
-    Only the first call per attempt writes and returns True; later calls change nothing.
-    """
-    rd = _rundir(run_dir)
-    end = {
-        "attempt": int(attempt),
-        "reason": reason,
-        "exit_code": int(exit_code),
-        "signature": signature,
-        "progressed": bool(progressed),
-        "ts": time.time(),
-    }
-    with rd.locked("handoff"):
-        rec, _ = _read(rd, repair=True)
-        if rec.last_end is not None and rec.last_end.get("attempt") == attempt:
-            return False
-        rec.last_end = end
-        _write(rd, rec)
-    rd.append_event("attempt_ended", **{k: v for k, v in end.items() if k != "ts"})
-    return True
-
-
 def _published_paths_newest_first(rd: RunDir) -> list[str]:
-    paths = [
-        str(ev["path"]) for ev in rd.events() if ev.get("event") == "checkpoint_published" and ev.get("path")
-    ]
+    paths = [str(ev["path"]) for ev in rd.events().of(events.CHECKPOINT_PUBLISHED) if ev.get("path")]
     return list(dict.fromkeys(reversed(paths)))
 
 
@@ -374,7 +297,7 @@ def resume_path(run_dir: RunDir | str | os.PathLike[str]) -> str | None:
     if Path(latest).exists():
         return latest
     fallback = next((p for p in _published_paths_newest_first(rd) if p != latest and Path(p).exists()), None)
-    rd.append_event("checkpoint_missing", path=latest, fallback=fallback)
+    rd.record(events.checkpoint_missing(path=latest, fallback=fallback))
     _warn(
         f"the published checkpoint {latest} no longer exists; "
         + (f"resuming from the older {fallback}" if fallback else "starting from scratch")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
-from hpcelastic.events import Event, EventLog, EventName
+from hpcelastic.events import Event, EventLog
 
 SECRET_BYTES = 32
 
@@ -145,11 +145,6 @@ class RunDir:
             os.close(fd)
         return record
 
-    def append_event(self, event: str, **fields: Any) -> dict[str, Any]:
-        """TEMPORARY during the refactor: callers move to ``record(events.<constructor>(...))``."""
-        host = fields.pop("host", None)
-        return self.record(Event(EventName(event), fields), host=host)
-
     def events(self) -> EventLog:
         """The event log in file order; damaged lines (a torn last line, a line that is not an
         event object) are skipped and counted in ``EventLog.damaged``."""
@@ -188,7 +183,7 @@ class RunDir:
         """Slurm job ids of this run in submission order (first submission, then resubmissions)."""
         return self.events().job_ids()
 
-    def current_job_id(self) -> str | None:
+    def latest_job_id(self) -> str | None:
         """The job id the run is on now (the latest submission), or None."""
         ids = self.job_ids()
         return ids[-1] if ids else None

@@ -1,7 +1,7 @@
 """A small per-user index from Slurm job ids to run directories.
 
 ``$XDG_STATE_HOME/hpcelastic/index.jsonl`` (default ``~/.local/state/hpcelastic/index.jsonl``), one
-JSON line per submission, appended by ``submit`` and by the requeue policy when it resubmits. It
+JSON line per submission, appended by ``submit`` and by the lifecycle executor when it resubmits. It
 lets ``hpcelastic status 12345`` find the run directory of job 12345.
 """
 

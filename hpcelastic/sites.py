@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
-import signal as _signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
+from hpcelastic.parse import MAX_SIGNAL_LEAD_S, is_env_name, parse_time, signal_name
 from hpcelastic.resources import data_dir
 
 USER_CONFIG_ENV = "XDG_CONFIG_HOME"
-MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 SITE_SUFFIX = ".yaml"
 
 Validator = Callable[[Any], str | None]
@@ -29,7 +27,11 @@ Validator = Callable[[Any], str | None]
 
 @dataclass(frozen=True)
 class Key:
-    """One configuration key: its type(s), default, one-line doc and an optional extra check."""
+    """One configuration key: its type(s), default, one-line doc and an optional extra check.
+
+    ``option``: the ``--help`` text of the ``hpcelastic submit`` option (and ``hpcelastic.submit``
+    keyword) that sets this key, named after the key's last part; None when no option sets it.
+    """
 
     type: type
     default: Any
@@ -37,6 +39,8 @@ class Key:
     check: Validator | None = None
     item: type | None = None  # element type of a list, or value type of a mapping
     nullable: bool = True
+    option: str | None = None
+    choices: tuple[str, ...] | None = None  # the allowed values (checked; a click.Choice on the CLI)
 
 
 def _choice(*allowed: str) -> Validator:
@@ -58,11 +62,11 @@ def _between(low: int, high: int) -> Validator:
 
 
 def _signal_name(value: Any) -> str | None:
-    return None if normalize_signal(value) else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
+    return None if signal_name(value) else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
 
 
 def _env_names(value: Mapping[str, Any]) -> str | None:
-    bad = [k for k in value if not isinstance(k, str) or not ENV_NAME.fullmatch(k)]
+    bad = [k for k in value if not is_env_name(k)]
     if bad:
         return f"{bad[0]!r} is not a valid environment variable name"
     nul = [k for k, v in value.items() if "\0" in str(v)]
@@ -77,19 +81,34 @@ def _time_value(value: Any) -> str | None:
     return None
 
 
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
 # The schema: dotted key -> Key. Sections (mappings of keys) are the prefixes before a dot.
 SCHEMA: dict[str, Key] = {
     "description": Key(str, None, "one line shown by `hpcelastic sites list`"),
     "cluster_names": Key(list, [], "Slurm ClusterName values that select this site automatically", item=str),
-    "partition": Key(str, None, "default partition (--partition)"),
-    "account": Key(str, None, "default account (--account)"),
-    "qos": Key(str, None, "default QOS (--qos)"),
-    "constraint": Key(str, None, "default node constraint (--constraint)"),
-    "exclude": Key(str, None, "nodes never to use, a Slurm hostlist (--exclude)"),
-    "time": Key(str, None, "default time limit in Slurm format, e.g. 04:00:00 (--time)", check=_time_value),
-    "gpus_per_node": Key(int, None, "default GPUs requested per node (--gpus-per-node)", check=_at_least(0)),
+    "partition": Key(str, None, "default partition (--partition)", option="Slurm partition."),
+    "account": Key(str, None, "default account (--account)", option="Slurm account."),
+    "qos": Key(str, None, "default QOS (--qos)", option="Slurm QOS."),
+    "constraint": Key(str, None, "default node constraint (--constraint)", option="Node feature constraint."),
+    "exclude": Key(
+        str,
+        None,
+        "nodes never to use, a Slurm hostlist (--exclude)",
+        option="Nodes never to use (a hostlist).",
+    ),
+    "time": Key(
+        str,
+        None,
+        "default time limit in Slurm format, e.g. 04:00:00 (--time)",
+        check=_time_value,
+        option="Time limit: MM, HH:MM:SS, D-HH:MM, ...",
+    ),
+    "gpus_per_node": Key(
+        int,
+        None,
+        "default GPUs requested per node (--gpus-per-node)",
+        check=_at_least(0),
+        option="GPUs to request on each node.",
+    ),
     "max_gpus_per_node": Key(
         int, None, "largest --gpus-per-node this site's nodes serve", check=_at_least(1)
     ),
@@ -97,11 +116,16 @@ SCHEMA: dict[str, Key] = {
         str,
         "gpus-per-node",
         "how GPUs are requested: 'gpus-per-node' (--gpus-per-node=N) or 'gres' (--gres=gpu:N)",
-        check=_choice("gpus-per-node", "gres"),
         nullable=False,
+        choices=("gpus-per-node", "gres"),
     ),
     "max_restarts": Key(
-        int, 3, "job-wide worker restarts per attempt (--max-restarts)", check=_at_least(0), nullable=False
+        int,
+        3,
+        "job-wide worker restarts per attempt (--max-restarts)",
+        check=_at_least(0),
+        nullable=False,
+        option="Job-wide worker restarts.",
     ),
     "modules": Key(list, [], "environment modules loaded before the job step (`module load X`)", item=str),
     "setup": Key(
@@ -118,8 +142,20 @@ SCHEMA: dict[str, Key] = {
         str, None, "interpreter that runs the agent on the nodes (default: the one running submit)"
     ),
     "run_root": Key(str, "./hpcelastic-runs", "where run directories are created", nullable=False),
-    "template": Key(str, "default.sbatch.j2", "batch script template (name in sbatch_templates/ or a path)"),
-    "backend": Key(str, "sbatch", "submission backend", check=_choice("sbatch", "submitit"), nullable=False),
+    "template": Key(
+        str,
+        "default.sbatch.j2",
+        "batch script template (name in sbatch_templates/ or a path)",
+        option="Batch script template name or file.",
+    ),
+    "backend": Key(
+        str,
+        "sbatch",
+        "submission backend",
+        nullable=False,
+        option="[sbatch]",
+        choices=("sbatch", "submitit"),
+    ),
     "signal.name": Key(
         str, "USR2", "signal sent before the time limit (and on preemption)", check=_signal_name
     ),
@@ -130,16 +166,32 @@ SCHEMA: dict[str, Key] = {
         str,
         "requeue",
         "after preemption/time limit: 'requeue' (same job id) or 'resubmit' (new job)",
-        check=_choice("requeue", "resubmit"),
         nullable=False,
+        choices=("requeue", "resubmit"),
     ),
     "requeue.max_requeues": Key(
-        int, 5, "requeues after failures before giving up", check=_at_least(0), nullable=False
+        int,
+        5,
+        "requeues after failures before giving up",
+        check=_at_least(0),
+        nullable=False,
+        option="Requeues after failures.",
     ),
     "requeue.grace_period": Key(
         int, 60, "seconds workers get to checkpoint after the signal", check=_at_least(0)
     ),
 }
+
+
+def default(key: str) -> Any:
+    """The built-in default of schema key ``key``: the one place each default is declared."""
+    return SCHEMA[key].default
+
+
+def option_keys() -> dict[str, str]:
+    """Submit option name -> the schema key it sets (``max_requeues`` -> ``requeue.max_requeues``)."""
+    return {k.rsplit(".", 1)[-1]: k for k, key in SCHEMA.items() if key.option is not None}
+
 
 COMMAND_LINE = "command line"
 # Keys whose command-line flag is not simply --<last part of the key>.
@@ -147,53 +199,6 @@ FLAG_OF = {"signal.name": "--signal", "signal.lead_time": "--signal"}
 FLAG_OF.update({k: "--" + k.rsplit(".", 1)[-1].replace("_", "-") for k in SCHEMA if k not in FLAG_OF})
 
 SECTIONS = sorted({k.split(".", 1)[0] for k in SCHEMA if "." in k})
-
-
-def normalize_signal(value: Any) -> str | None:
-    """``"SIGUSR2"``, ``"usr2"`` or ``12`` -> ``"USR2"``; None when it is not a signal."""
-    text = str(value).strip().upper()
-    if text.isascii() and text.isdigit():
-        try:
-            return _signal.Signals(int(text)).name.removeprefix("SIG")
-        except ValueError:
-            return None
-    name = text if text.startswith("SIG") else "SIG" + text
-    return name.removeprefix("SIG") if name in _signal.Signals.__members__ else None
-
-
-_TIME_FORMS = (
-    (re.compile(r"([0-9]+)"), ("m",)),
-    (re.compile(r"([0-9]+):([0-9]+)"), ("m", "s")),
-    (re.compile(r"([0-9]+):([0-9]+):([0-9]+)"), ("h", "m", "s")),
-    (re.compile(r"([0-9]+)-([0-9]+)"), ("d", "h")),
-    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+)"), ("d", "h", "m")),
-    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+):([0-9]+)"), ("d", "h", "m", "s")),
-)
-_UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-
-
-def parse_time(value: Any) -> int:
-    """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
-
-    Raises ValueError (with the accepted forms) for anything else or for zero.
-    """
-    text = str(value).strip()
-    for pattern, units in _TIME_FORMS:
-        m = pattern.fullmatch(text)
-        if m:
-            seconds = sum(int(g) * _UNIT_S[u] for g, u in zip(m.groups(), units, strict=True))
-            if seconds <= 0:
-                raise ValueError(f"time limit {text!r} is zero")
-            return seconds
-    raise ValueError(f"{text!r} is not a Slurm time (use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
-
-
-def format_time(seconds: int) -> str:
-    """Seconds -> ``D-HH:MM:SS`` (Slurm accepts it everywhere)."""
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
 
 
 def defaults() -> dict[str, Any]:
@@ -279,6 +284,10 @@ def _check_value(key: Key, value: Any) -> str | None:
                 if isinstance(value, Mapping) and isinstance(item, int | float):
                     continue  # numbers in env are fine: they are exported as text
                 return f"every entry must be {_type_name(key.item())}, not {_type_name(item)} ({item!r})"
+    if key.choices is not None:
+        problem = _choice(*key.choices)(value)
+        if problem:
+            return problem
     return key.check(value) if key.check else None
 
 

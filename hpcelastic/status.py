@@ -11,21 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hpcelastic import events
 from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
+from hpcelastic.events import EventLog, EventName
 from hpcelastic.jobs import slurm
 from hpcelastic.rundir import RunDir
-
-ENDED_STATES = {
-    "BOOT_FAIL",
-    "CANCELLED",
-    "COMPLETED",
-    "DEADLINE",
-    "FAILED",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "TIMEOUT",
-}
 
 
 @dataclass(frozen=True)
@@ -44,7 +34,7 @@ class Status:
 
     run_dir: str
     job_ids: list[str]
-    current_job_id: str | None
+    latest_job_id: str | None
     attempt: int | None
     outcome: str
     checkpoint: dict[str, Any] | None
@@ -81,54 +71,61 @@ def _nodes(names: Any) -> str:
     return ",".join(names) if isinstance(names, list) and names else "none"
 
 
-_RENDER: dict[str, Callable[[Mapping[str, Any]], tuple[str, str] | None]] = {
-    "submitted": lambda e: (
+_RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] = {
+    events.SUBMITTED: lambda e: (
         "submitted",
         f"job {e.get('job_id')} ({e.get('backend', 'sbatch')}, nodes {e.get('nodes')})",
     ),
-    "attempt_started": lambda e: (
+    events.ATTEMPT_STARTED: lambda e: (
         f"attempt {e.get('attempt')} started",
         f"job {e.get('job_id')} on {_nodes(e.get('nodes'))} (restart count {e.get('restart_count_slurm')})",
     ),
-    "rendezvous": lambda e: (
+    events.RENDEZVOUS: lambda e: (
         f"rendezvous round {e.get('round')}",
         f"world size {e.get('world_size')} on {_nodes(e.get('hosts'))}",
     ),
-    "root_cause": lambda e: ("failure (root cause)", _failure(e)),
-    "node_lost": lambda e: ("node lost", f"{e.get('node')}: {e.get('reason')}"),
-    "node_unhealthy": lambda e: ("node unhealthy", f"{e.get('node')} GPU {e.get('gpu')}: {e.get('reason')}"),
-    "restarting": lambda e: (
+    events.ROOT_CAUSE: lambda e: ("failure (root cause)", _failure(e)),
+    events.NODE_LOST: lambda e: ("node lost", f"{e.get('node')}: {e.get('reason')}"),
+    events.NODE_UNHEALTHY: lambda e: (
+        "node unhealthy",
+        f"{e.get('node')} GPU {e.get('gpu')}: {e.get('reason')}",
+    ),
+    events.RESTARTING: lambda e: (
         "restarting",
         f"restart {e.get('restart_count')} of {e.get('max_restarts')}: {e.get('reason')}",
     ),
-    "signal_received": lambda e: ("signal received", f"{e.get('signal')} on node {e.get('node_rank')}"),
-    "attempt_ended": lambda e: (
+    events.SIGNAL_RECEIVED: lambda e: ("signal received", f"{e.get('signal')} on node {e.get('node_rank')}"),
+    events.ATTEMPT_ENDED: lambda e: (
         f"attempt {e.get('attempt')} ended",
         f"{e.get('reason')} ({_exit(e.get('exit_code'))})",
     ),
-    "requeued": lambda e: (
+    events.REQUEUED: lambda e: (
         f"requeued as attempt {e.get('attempt')}",
         f"{e.get('reason')}; job {e.get('job_id')}; excluded nodes {_nodes(e.get('exclude'))}"
         + (f"; took {e['duration_s']:.2f} s" if isinstance(e.get("duration_s"), (int, float)) else ""),
     ),
-    "resubmitted": lambda e: (
+    events.RESUBMITTED: lambda e: (
         f"resubmitted as attempt {e.get('attempt')}",
         f"{e.get('reason')}; new job {e.get('job_id')} after {e.get('previous_job_id')}; "
         f"excluded nodes {_nodes(e.get('exclude'))}",
     ),
-    "requeue_failed": lambda e: ("requeue failed", f"{e.get('error')} (fallback: {e.get('fallback')})"),
-    "requeue_skipped": lambda e: ("not requeued", str(e.get("detail") or e.get("reason"))),
-    "job_succeeded": lambda e: ("job succeeded", _exit(e.get("exit_code"))),
-    "job_failed": lambda e: ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})"),
-    "cancelled": lambda e: ("cancelled", f"job {e.get('job_id')} by the user"),
-    "handoff_corrupt": lambda e: (
+    events.REQUEUE_FAILED: lambda e: ("requeue failed", f"{e.get('error')} (fallback: {e.get('fallback')})"),
+    events.REQUEUE_SKIPPED: lambda e: ("not requeued", str(e.get("detail") or e.get("reason"))),
+    events.JOB_SUCCEEDED: lambda e: ("job succeeded", _exit(e.get("exit_code"))),
+    events.JOB_FAILED: lambda e: ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})"),
+    events.CANCELLED: lambda e: ("cancelled", f"job {e.get('job_id')} by the user"),
+    events.HANDOFF_CORRUPT: lambda e: (
         "handoff record rebuilt",
         f"{e.get('error')}; recovered checkpoint {e.get('recovered_checkpoint')}",
     ),
-    "checkpoint_missing": lambda e: ("checkpoint missing", f"{e.get('path')}; using {e.get('fallback')}"),
-    "checkpoint_rejected": lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
+    events.CHECKPOINT_MISSING: lambda e: (
+        "checkpoint missing",
+        f"{e.get('path')}; using {e.get('fallback')}",
+    ),
+    events.CHECKPOINT_REJECTED: lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
 }
-_QUIET = {"workers_started", "worker_failed"}
+_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED}
+_KNOWN = {str(n) for n in EventName}
 
 
 def _checkpoint_rows(batch: Sequence[Mapping[str, Any]]) -> Row:
@@ -146,13 +143,13 @@ def _checkpoint_rows(batch: Sequence[Mapping[str, Any]]) -> Row:
     )
 
 
-def timeline(events: Sequence[Mapping[str, Any]]) -> list[Row]:
+def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
     """The events as rows; consecutive checkpoint publications collapse into one row."""
     rows: list[Row] = []
     batch: list[Mapping[str, Any]] = []
-    for e in events:
+    for e in log:
         kind = e.get("event")
-        if kind == "checkpoint_published":
+        if kind == events.CHECKPOINT_PUBLISHED:
             batch.append(e)
             continue
         if batch:
@@ -160,7 +157,7 @@ def timeline(events: Sequence[Mapping[str, Any]]) -> list[Row]:
             batch = []
         if kind in _QUIET:
             continue
-        render = _RENDER.get(str(kind))
+        render = _RENDER.get(EventName(kind)) if kind in _KNOWN else None
         shown = (
             render(e)
             if render
@@ -173,31 +170,30 @@ def timeline(events: Sequence[Mapping[str, Any]]) -> list[Row]:
     return rows
 
 
-def _outcome(events: Sequence[Mapping[str, Any]], current: slurm.JobState | None) -> str:
-    for e in reversed(events):
-        kind = e.get("event")
-        if kind == "job_succeeded":
-            return "succeeded"
-        if kind == "job_failed":
-            return f"failed ({e.get('reason')})"
-        if kind == "cancelled":
-            return "cancelled"
-        if kind in ("requeued", "resubmitted"):
-            break
-    if current is None:
+def _outcome(log: EventLog, latest: slurm.JobState | None) -> str:
+    e = log.last(
+        events.JOB_SUCCEEDED, events.JOB_FAILED, events.CANCELLED, events.REQUEUED, events.RESUBMITTED
+    )
+    if e is not None and e["event"] == events.JOB_SUCCEEDED:
+        return "succeeded"
+    if e is not None and e["event"] == events.JOB_FAILED:
+        return f"failed ({e.get('reason')})"
+    if e is not None and e["event"] == events.CANCELLED:
+        return "cancelled"
+    if latest is None:
         return "unknown"
-    if current.state in ENDED_STATES:
-        return f"ended ({current.state.lower()})"
-    return current.state.lower()
+    if latest.state in slurm.ENDED_STATES:
+        return f"ended ({latest.state.lower()})"
+    return latest.state.lower()
 
 
 def build_status(
     rd: RunDir, query: Callable[[Sequence[str]], Mapping[str, slurm.JobState]] = slurm.query_states
 ) -> Status:
     """Read the run's events and ask Slurm once about all of its job ids."""
-    events = rd.events()
-    job_ids = rd.job_ids()
-    current = rd.current_job_id()
+    log = rd.events()
+    job_ids = log.job_ids()
+    latest = job_ids[-1] if job_ids else None
     states: Mapping[str, slurm.JobState] = {}
     error = None
     if job_ids:
@@ -205,40 +201,36 @@ def build_status(
             states = query(job_ids)
         except SlurmError as e:
             error = str(e)
-    attempts = [
-        e["attempt"]
-        for e in events
-        if e.get("event") == "attempt_started" and isinstance(e.get("attempt"), int)
-    ]
-    published = [e for e in events if e.get("event") == "checkpoint_published"]
-    checkpoint = {k: published[-1].get(k) for k in ("path", "step", "attempt", "rank")} if published else None
+    attempts = [e["attempt"] for e in log.of(events.ATTEMPT_STARTED) if isinstance(e.get("attempt"), int)]
+    published = log.last(events.CHECKPOINT_PUBLISHED)
+    checkpoint = {k: published.get(k) for k in ("path", "step", "attempt", "rank")} if published else None
     return Status(
         run_dir=str(rd.path),
         job_ids=job_ids,
-        current_job_id=current,
+        latest_job_id=latest,
         attempt=max(attempts) if attempts else None,
-        outcome=_outcome(events, states.get(current) if current else None),
+        outcome=_outcome(log, states.get(latest) if latest else None),
         checkpoint=checkpoint,
         slurm={jid: {"state": s.state, "reason": s.reason, "nodes": s.nodes} for jid, s in states.items()},
         slurm_error=error,
-        timeline=timeline(events),
+        timeline=timeline(log),
     )
 
 
 def render_text(st: Status) -> str:
     """The human view: a short header, then one line per timeline row."""
-    cur = st.slurm.get(st.current_job_id or "")
+    cur = st.slurm.get(st.latest_job_id or "")
     if cur:
         slurm_line = f"{cur['state']}" + (f" ({cur['reason']})" if cur["reason"] not in ("None", "") else "")
         slurm_line += f" on {cur['nodes']}" if cur["nodes"] else ""
     elif st.slurm_error:
         slurm_line = f"unknown: {st.slurm_error}"
     else:
-        slurm_line = "no longer known to Slurm (finished)" if st.current_job_id else "never submitted"
+        slurm_line = "no longer known to Slurm (finished)" if st.latest_job_id else "never submitted"
     ckpt = st.checkpoint
     lines = [
         f"run         {st.run_dir}",
-        f"job         {st.current_job_id or '-'}"
+        f"job         {st.latest_job_id or '-'}"
         + (f" (all: {', '.join(st.job_ids)})" if len(st.job_ids) > 1 else ""),
         f"slurm       {slurm_line}",
         f"attempt     {st.attempt if st.attempt is not None else '-'}",

@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from hpcelastic.errors import UserError
+from hpcelastic.parse import parse_signal
+
 ENV_RUN_DIR = "HPCELASTIC_RUN_DIR"
 ENV_ATTEMPT = "HPCELASTIC_ATTEMPT"
 ENV_CHECKPOINT_DIR = "HPCELASTIC_CHECKPOINT_DIR"
@@ -47,19 +50,6 @@ _heartbeat_sock: socket.socket | None = None
 _resume_cache: list[str | None] = []
 
 
-def parse_signal(name: str | int) -> signal.Signals:
-    """``"USR2"``, ``"SIGUSR2"`` or ``"12"`` as a :class:`signal.Signals`; ``ValueError`` if unknown."""
-    text = str(name).strip().upper()
-    if text.isdigit():
-        return signal.Signals(int(text))
-    if not text.startswith("SIG"):
-        text = "SIG" + text
-    try:
-        return signal.Signals[text]
-    except KeyError:
-        raise ValueError(f"unknown signal {name!r}; use a name such as USR2 or TERM") from None
-
-
 def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
     _stop_requested.set()
 
@@ -71,7 +61,7 @@ def _install_stop_handler() -> None:
         return
     try:
         sig = parse_signal(os.environ.get(ENV_STOP_SIGNAL, DEFAULT_STOP_SIGNAL))
-    except ValueError:
+    except UserError:
         return
     try:
         if signal.getsignal(sig) is signal.SIG_DFL:

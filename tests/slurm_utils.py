@@ -9,34 +9,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-FINISHED = {
-    "COMPLETED",
-    "FAILED",
-    "CANCELLED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "OUT_OF_MEMORY",
-    "BOOT_FAIL",
-}
+from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 
 
 def job_record(job_id: str) -> dict[str, str]:
     """``scontrol show job -o`` of a job, parsed (empty if slurmctld no longer knows it)."""
-    from hpcelastic.jobs.slurm import parse_scontrol_record
-
     proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
     if proc.returncode != 0 or not proc.stdout.strip():
         return {}
     return parse_scontrol_record(proc.stdout.splitlines()[0])
 
 
-def wait_job_state(job_id: str, states: set[str], timeout: float = 180.0) -> dict[str, str]:
+def wait_job_state(job_id: str, states: Collection[str], timeout: float = 180.0) -> dict[str, str]:
     """Poll ``scontrol show job`` until the job's state is in ``states``; fail with its record otherwise."""
     deadline = time.monotonic() + timeout
     rec: dict[str, str] = {}
@@ -50,7 +40,7 @@ def wait_job_state(job_id: str, states: set[str], timeout: float = 180.0) -> dic
 
 def wait_job_finished(job_id: str, timeout: float = 300.0) -> dict[str, str]:
     """Wait until the job reached a final state and return its record."""
-    return wait_job_state(job_id, FINISHED, timeout)
+    return wait_job_state(job_id, ENDED_STATES, timeout)
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:

@@ -13,9 +13,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from hpcelastic.agent import protocol
+from hpcelastic.agent import messages, protocol
 
 RETRY_DELAY = 0.1
 CHALLENGE_TIMEOUT = 5.0
@@ -38,7 +37,7 @@ class CoordinatorClient:
         port: int,
         secret: str,
         *,
-        on_message: Callable[[dict[str, Any]], None],
+        on_message: Callable[[messages.Message], None],
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 2.0,
     ) -> None:
@@ -53,7 +52,7 @@ class CoordinatorClient:
         self._closed = threading.Event()
         self._last_recv = time.monotonic()
 
-    def connect(self, hello: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def connect(self, hello: messages.Hello, timeout: float) -> messages.Welcome:
         """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
 
         Raises :class:`CoordinatorUnreachable`, or :class:`protocol.AuthError` when the coordinator
@@ -78,7 +77,7 @@ class CoordinatorClient:
                 )
             time.sleep(RETRY_DELAY)
 
-    def _handshake(self, sock: socket.socket, hello: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def _handshake(self, sock: socket.socket, hello: messages.Hello, deadline: float) -> messages.Welcome:
         """Authenticate on a fresh connection; keeps it as this client's connection on success.
 
         A connection the coordinator never serves (its accept queue overflowed while thousands of
@@ -95,9 +94,11 @@ class CoordinatorClient:
             except OSError:
                 raise _NoChallenge from None
             sock.settimeout(max(1.0, deadline - time.monotonic()))
-            session, hello_frame = protocol.client_hello(self._secret, challenge, hello)
+            session, hello_frame = protocol.client_hello(self._secret, challenge, messages.encode(hello))
             sock.sendall(hello_frame)
-            welcome = protocol.client_welcome(session, protocol.recv_payload(sock))
+            welcome = messages.Welcome.from_wire(
+                protocol.client_welcome(session, protocol.recv_payload(sock))
+            )
             # Reads and writes give up after this long: a hung coordinator cannot block the agent.
             sock.settimeout(self._hb_timeout + 1.0)
         except OSError as e:
@@ -118,13 +119,13 @@ class CoordinatorClient:
         threading.Thread(target=self._reader, name="hpcelastic-client-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="hpcelastic-client-heartbeat", daemon=True).start()
 
-    def send(self, msg: dict[str, Any]) -> bool:
+    def send(self, msg: messages.Message) -> bool:
         """Send one message; False when the connection is gone (the loss is reported separately)."""
         if self._sock is None or self._session is None or self._closed.is_set():
             return False
         with self._lock:
             try:
-                self._sock.sendall(self._session.encode(msg))
+                self._sock.sendall(self._session.encode(messages.encode(msg)))
             except OSError:
                 return False
         return True
@@ -140,20 +141,23 @@ class CoordinatorClient:
     def _lost(self, reason: str) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._on_message({"t": "lost", "reason": reason})
+            self._on_message(messages.Lost(reason))
 
     def _reader(self) -> None:
         assert self._sock is not None and self._session is not None
         try:
             while True:
-                msg = self._session.decode(protocol.recv_payload(self._sock))
+                wire = self._session.decode(protocol.recv_payload(self._sock))
                 self._last_recv = time.monotonic()
-                if msg["t"] != "hb":
+                msg = messages.decode(messages.FROM_COORDINATOR, wire)
+                if msg is not None and not isinstance(msg, messages.Heartbeat):
                     self._on_message(msg)
         except (OSError, ConnectionError):
             self._lost("connection to the coordinator closed")
         except protocol.ProtocolError as e:
             self._lost(f"bad frame from the coordinator: {e}")
+        except messages.InvalidMessage as e:
+            self._lost(f"bad message from the coordinator: {e}")
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self._hb_interval):
@@ -161,4 +165,4 @@ class CoordinatorClient:
             if silent > self._hb_timeout:
                 self._lost(f"no heartbeat from the coordinator for {silent:.1f} s")
                 return
-            self.send({"t": "hb"})
+            self.send(messages.Heartbeat())

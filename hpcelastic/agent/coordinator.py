@@ -20,15 +20,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from hpcelastic.agent import protocol
-from hpcelastic.agent.job_state import Action, JobState
+from hpcelastic.agent import messages, protocol
+from hpcelastic.agent.job_state import Action, JobState, Phase, Record, Say, Send
+from hpcelastic.events import EventName
 from hpcelastic.rundir import RunDir
 
 HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
-AGENT_EVENTS = frozenset({"signal_received", "node_unhealthy"})
+#: The events an agent may have the coordinator write for it.
+AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY})
 
 
 @dataclass(eq=False)
@@ -42,6 +43,12 @@ class _Conn:
     node_rank: int | None = None
     last_recv: float = 0.0
     closing: bool = False
+
+
+def _rank(conn: _Conn) -> int:
+    """The node rank of a joined agent's connection."""
+    assert conn.node_rank is not None
+    return conn.node_rank
 
 
 class PortReservation:
@@ -108,6 +115,15 @@ class Coordinator:
         self.finished = threading.Event()
         self.session = secrets.token_hex(8)
         self._thread = threading.Thread(target=self._run, name="hpcelastic-coordinator", daemon=True)
+        self._handlers: messages.Handlers = {
+            messages.Started: self._on_started,
+            messages.Failed: self._on_failed,
+            messages.Stopped: self._on_stopped,
+            messages.Done: self._on_done,
+            messages.PreemptSignal: self._on_preempt,
+            messages.AgentEvent: self._on_event,
+            messages.Leave: self._on_leave,
+        }
 
     @property
     def port(self) -> int:
@@ -129,10 +145,6 @@ class Coordinator:
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
-
-    def connected(self) -> int:
-        """How many agents are joined and connected now."""
-        return len(self._by_rank)
 
     # ---- loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,7 +185,8 @@ class Coordinator:
             conn.last_recv = conn.since
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
-            self._write(conn, protocol.encode_plain({"t": "challenge", "nonce": conn.nonce, "v": 1}))
+            challenge = messages.Challenge(conn.nonce, protocol.PROTOCOL_VERSION)
+            self._write(conn, protocol.encode_plain(messages.encode(challenge)))
 
     def _service(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -195,67 +208,75 @@ class Coordinator:
                 if conn.session is None:
                     self._handshake(conn, payload)
                 else:
-                    self._handle(conn, conn.session.decode(payload))
+                    self._handle(conn, messages.decode(messages.FROM_AGENT, conn.session.decode(payload)))
                 if conn.closing:
                     return
         except protocol.AuthError:
             self._reject(conn, "authentication failed: the agent does not have this job's secret", auth=True)
         except protocol.ProtocolError as e:
             self._reject(conn, f"protocol error: {e}")
+        except messages.InvalidMessage as e:
+            self._reject(conn, str(e))
         except (KeyError, TypeError, ValueError) as e:
             self._reject(conn, f"malformed message: {e!r}")
 
     def _handshake(self, conn: _Conn, payload: bytes) -> None:
-        session, hello = protocol.server_accept_hello(self._secret, conn.nonce, payload)
-        node_rank = hello.get("node_rank")
-        error = self.state.join_error(node_rank)
+        session, wire = protocol.server_accept_hello(self._secret, conn.nonce, payload)
+        error = self.state.join_error(wire.get("node_rank"))
         if error:
             self._reject(conn, error)
             return
+        hello = messages.Hello.from_wire(wire)
         conn.session = session
-        conn.node_rank = node_rank
-        self._by_rank[node_rank] = conn
-        actions = self.state.join(node_rank, str(hello.get("host", "")), int(hello.get("nproc", 1)))
-        self._send(conn, {"t": "welcome", "round": self.state.round, "session": self.session})
+        conn.node_rank = hello.node_rank
+        self._by_rank[hello.node_rank] = conn
+        actions = self.state.join(hello.node_rank, hello.host, hello.nproc)
+        self._send(conn, messages.Welcome(self.state.round, self.session))
         self._apply(actions)
 
-    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        t, n, st = msg["t"], conn.node_rank, self.state
-        assert n is not None
-        rnd = int(msg.get("round", -1))
-        if t == "hb":
-            return
-        if t == "started":
-            self._apply(st.started_workers(n, rnd, float(msg.get("ts", time.time()))))
-        elif t == "failed":
-            self._apply(st.worker_failed(n, rnd, list(msg.get("failures", []))))
-        elif t == "stopped":
-            self._apply(st.workers_stopped(n, rnd, list(msg.get("failures", []))))
-        elif t == "done":
-            self._apply(st.workers_done(n, rnd))
-        elif t == "preempt":
-            self._apply(st.preempt(n, str(msg.get("signal", ""))))
-        elif t == "event" and msg.get("event") in AGENT_EVENTS:
-            fields = {k: v for k, v in dict(msg.get("fields", {})).items() if k not in ("ts", "event")}
-            member = st.members.get(n)
-            self.run_dir.append_event(str(msg["event"]), **{"host": member.host if member else "", **fields})
-        elif t == "leave":
-            reason = str(msg.get("reason", "left"))
-            self._drop(conn, None)
-            self._apply(st.lost(n, reason, unhealthy=bool(msg.get("unhealthy"))))
+    def _handle(self, conn: _Conn, msg: messages.Message | None) -> None:
+        """One message from the joined agent on ``conn`` (None: a type this coordinator does not know)."""
+        if msg is not None:
+            messages.dispatch(self._handlers, msg, conn)
+
+    def _on_started(self, msg: messages.Started, conn: _Conn) -> None:
+        self._apply(self.state.started_workers(_rank(conn), msg.round, msg.ts))
+
+    def _on_failed(self, msg: messages.Failed, conn: _Conn) -> None:
+        self._apply(self.state.worker_failed(_rank(conn), msg.round, msg.failures))
+
+    def _on_stopped(self, msg: messages.Stopped, conn: _Conn) -> None:
+        self._apply(self.state.workers_stopped(_rank(conn), msg.round, msg.failures))
+
+    def _on_done(self, msg: messages.Done, conn: _Conn) -> None:
+        self._apply(self.state.workers_done(_rank(conn), msg.round))
+
+    def _on_preempt(self, msg: messages.PreemptSignal, conn: _Conn) -> None:
+        self._apply(self.state.preempt(_rank(conn), msg.signal))
+
+    def _on_event(self, msg: messages.AgentEvent, conn: _Conn) -> None:
+        if msg.event.name in AGENT_EVENTS:
+            member = self.state.members.get(_rank(conn))
+            self.run_dir.record(msg.event, host=member.host if member else "")
+
+    def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
+        rank = _rank(conn)
+        self._drop(conn, None)
+        self._apply(self.state.lost(rank, msg.reason, unhealthy=msg.unhealthy))
 
     # ---- output -----------------------------------------------------------------------------
     def _apply(self, actions: list[Action]) -> None:
         for a in actions:
-            if a.kind == "send":
-                conn = self._by_rank.get(a.node_rank)
-                if conn is not None:
-                    self._send(conn, a.data)
-            elif a.kind == "event":
-                self.run_dir.append_event(a.name, **a.data)
-            else:
-                print(f"hpcelastic: {a.data['text']}", file=sys.stderr, flush=True)
-        if self.state.phase == "finished":
+            match a:
+                case Send(node_rank, message):
+                    conn = self._by_rank.get(node_rank)
+                    if conn is not None:
+                        self._send(conn, message)
+                case Record(event):
+                    self.run_dir.record(event)
+                case Say(text):
+                    print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
+        if self.state.phase is Phase.FINISHED:
             self.finished.set()
 
     def _heartbeats(self, now: float) -> None:
@@ -267,11 +288,11 @@ class Coordinator:
             if now - conn.last_recv > self._hb_timeout:
                 self._drop(conn, f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)")
                 continue
-            self._send(conn, {"t": "hb"})
+            self._send(conn, messages.Heartbeat())
 
-    def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
+    def _send(self, conn: _Conn, msg: messages.Message) -> None:
         assert conn.session is not None
-        self._write(conn, conn.session.encode(msg))
+        self._write(conn, conn.session.encode(messages.encode(msg)))
 
     def _write(self, conn: _Conn, frame: bytes) -> None:
         if conn.closing:
@@ -297,7 +318,7 @@ class Coordinator:
         with contextlib.suppress(OSError):
             conn.sock.setblocking(True)
             conn.sock.settimeout(1.0)
-            conn.sock.sendall(protocol.encode_plain({"t": "error", "error": error, "auth": auth}))
+            conn.sock.sendall(protocol.encode_plain(messages.encode(messages.Refusal(error, auth))))
         self._drop(conn, error)
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:

@@ -1,50 +1,68 @@
 """The coordinator's decisions, free of I/O: membership, rounds, the job-wide budget, root cause.
 
-:class:`JobState` receives what agents report and returns :class:`Action` values (messages to send,
-events to write, lines to print). The network server in ``coordinator.py`` applies them; the unit
-tests drive this class directly.
+:class:`JobState` receives what agents report and returns :data:`Action` values (a :class:`Send` of
+a message, a :class:`Record` of an event, a :class:`Say` of a line). The network server in
+``coordinator.py`` applies them; the unit tests drive this class directly.
 
-Phases: ``rendezvous`` (waiting for the step's nodes) -> ``running`` (a round's workers run) ->
+:class:`Phase`: ``rendezvous`` (waiting for the step's nodes) -> ``running`` (a round's workers run) ->
 ``stopping`` (a failure or lost node: every agent stops its workers) -> a new round, or
 ``finished``. ``preempting`` replaces ``stopping`` after a preemption signal.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from hpcelastic.errors import (
-    EXIT_COORDINATOR_LOST,
-    EXIT_NODE_UNHEALTHY,
-    EXIT_OK,
-    EXIT_RESTARTS_EXHAUSTED,
-    EXIT_STOPPED_FOR_REQUEUE,
-    EXIT_TOO_FEW_NODES,
-)
+from hpcelastic import events
+from hpcelastic.agent import messages
+from hpcelastic.agent.messages import Failure
+from hpcelastic.events import Event
+from hpcelastic.reasons import Reason, RestartCause
 
-FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
 STOP_TIMEOUT_EXTRA = 15.0
 
 
+class Phase(str, enum.Enum):
+    """Where the job attempt is (see the module docstring)."""
+
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    PREEMPTING = "preempting"
+    FINISHED = "finished"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
-class Action:
-    """One effect for the server: ``send`` a message to a node, write an ``event``, ``print`` a line."""
+class Send:
+    """Send ``message`` to the agent of ``node_rank``."""
 
-    kind: Literal["send", "event", "print"]
-    node_rank: int = -1
-    name: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    node_rank: int
+    message: messages.Message
 
 
-def send(node_rank: int, **msg: Any) -> Action:
-    return Action("send", node_rank=node_rank, data=msg)
+@dataclass(frozen=True)
+class Record:
+    """Write ``event`` to the run's event log."""
+
+    event: Event
 
 
-def event(name: str, **fields: Any) -> Action:
-    return Action("event", name=name, data=fields)
+@dataclass(frozen=True)
+class Say:
+    """Print ``text`` on the coordinator's standard error."""
+
+    text: str
+
+
+#: One effect for the server to apply.
+Action = Send | Record | Say
 
 
 @dataclass
@@ -54,6 +72,17 @@ class Member:
     node_rank: int
     host: str
     nproc: int
+
+
+@dataclass(frozen=True)
+class LostNode:
+    """A node of the current round whose agent went away."""
+
+    node_rank: int
+    node: str
+    reason: str
+    ts: float
+    round: int
 
 
 class JobState:
@@ -80,7 +109,7 @@ class JobState:
         self.stop_timeout = stop_timeout + STOP_TIMEOUT_EXTRA
         self.deadline = now() + rdzv_timeout
         self.rdzv_timeout = rdzv_timeout
-        self.phase = "rendezvous"
+        self.phase = Phase.RENDEZVOUS
         self.members: dict[int, Member] = {}
         self.round = -1
         self.restart_count = 0
@@ -89,11 +118,11 @@ class JobState:
         self.stopped: set[int] = set()
         self.done: set[int] = set()
         self.failures: list[dict[str, Any]] = []
-        self.lost_in_round: list[dict[str, Any]] = []
+        self.lost_in_round: list[LostNode] = []
         self.bad_nodes: list[str] = []
         self.lost_hosts: list[str] = []
         self.departed: set[int] = set()
-        self.result: dict[str, Any] | None = None
+        self.result: messages.Finish | None = None
 
     # ---- membership -------------------------------------------------------------------------
     def join_error(self, node_rank: Any) -> str | None:
@@ -102,7 +131,7 @@ class JobState:
             return f"node rank {node_rank!r} is outside this job's {len(self.hosts)} nodes"
         if node_rank in self.members:
             return f"node rank {node_rank} has already joined (two agents on one node?)"
-        if self.phase != "rendezvous":
+        if self.phase is not Phase.RENDEZVOUS:
             return f"node rank {node_rank} joined after the job started; it is not part of this attempt"
         return None
 
@@ -126,68 +155,60 @@ class JobState:
     def lost(self, node_rank: int, reason: str, *, unhealthy: bool = False) -> list[Action]:
         """An agent's connection closed or went silent, or it left because its node is bad."""
         member = self.members.pop(node_rank, None)
-        if member is None or self.phase == "finished":
+        if member is None or self.phase is Phase.FINISHED:
             return []
         if unhealthy:
             self.bad_nodes.append(member.host)
         self.lost_hosts.append(member.host)
         self.departed.add(node_rank)
-        actions = [event("node_lost", node_rank=node_rank, node=member.host, reason=reason)]
-        if self.phase == "rendezvous":
+        actions: list[Action] = [
+            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
+        ]
+        if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
-        if self.phase == "finished" or node_rank not in self.round_nodes:
+        if node_rank not in self.round_nodes:
             return actions
-        self.lost_in_round.append(
-            {
-                "node_rank": node_rank,
-                "node": member.host,
-                "reason": reason,
-                "ts": self._now(),
-                "round": self.round,
-            }
-        )
-        if self.phase == "running":
-            actions += self._begin_stop("node_lost")
+        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), self.round))
+        if self.phase is Phase.RUNNING:
+            actions += self._begin_stop(RestartCause.NODE_LOST)
         return actions + self._check_stopped()
 
     # ---- rounds -----------------------------------------------------------------------------
     def _start_round(self) -> list[Action]:
         self.round += 1
-        self.phase = "running"
+        self.phase = Phase.RUNNING
         self.round_nodes = sorted(self.members)
         self.started, self.stopped, self.done = {}, set(), set()
         self.failures, self.lost_in_round = [], []
         port = self._new_port()
         world = sum(self.members[n].nproc for n in self.round_nodes)
         hosts = [self.members[n].host for n in self.round_nodes]
-        actions = [
-            event(
-                "rendezvous",
-                round=self.round,
-                hosts=hosts,
-                world_size=world,
-                master_addr=self.master_addr,
-                master_port=port,
-                restart_count=self.restart_count,
+        actions: list[Action] = [
+            Record(
+                events.rendezvous(
+                    round=self.round,
+                    hosts=hosts,
+                    world_size=world,
+                    master_addr=self.master_addr,
+                    master_port=port,
+                    restart_count=self.restart_count,
+                )
             )
         ]
         offset = 0
         for group_rank, n in enumerate(self.round_nodes):
-            actions.append(
-                send(
-                    n,
-                    t="round",
-                    round=self.round,
-                    restart_count=self.restart_count,
-                    max_restarts=self.max_restarts,
-                    group_rank=group_rank,
-                    group_world_size=len(self.round_nodes),
-                    rank_offset=offset,
-                    world_size=world,
-                    master_addr=self.master_addr,
-                    master_port=port,
-                )
+            rnd = messages.Round(
+                round=self.round,
+                restart_count=self.restart_count,
+                max_restarts=self.max_restarts,
+                group_rank=group_rank,
+                group_world_size=len(self.round_nodes),
+                rank_offset=offset,
+                world_size=world,
+                master_addr=self.master_addr,
+                master_port=port,
             )
+            actions.append(Send(n, rnd))
             offset += self.members[n].nproc
         return actions
 
@@ -196,33 +217,27 @@ class JobState:
 
     def started_workers(self, node_rank: int, round_: int, ts: float) -> list[Action]:
         """An agent spawned its workers; ``workers_started`` once every node has."""
-        if round_ != self.round or self.phase != "running":
+        if round_ != self.round or self.phase is not Phase.RUNNING:
             return []
         self.started[node_rank] = ts
         if set(self.started) >= self._alive_round_nodes():
             world = sum(self.members[n].nproc for n in self._alive_round_nodes())
-            return [
-                event(
-                    "workers_started",
-                    round=self.round,
-                    world_size=world,
-                    spawned_ts=max(self.started.values()),
-                )
-            ]
+            spawned = max(self.started.values())
+            return [Record(events.workers_started(round=self.round, world_size=world, spawned_ts=spawned))]
         return []
 
-    def worker_failed(self, node_rank: int, round_: int, failures: list[dict[str, Any]]) -> list[Action]:
+    def worker_failed(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
         """An agent saw workers fail: every agent is told to stop its workers."""
-        if round_ != self.round or self.phase == "finished":
+        if round_ != self.round or self.phase is Phase.FINISHED:
             return []
         actions = self._record(node_rank, failures)
-        if self.phase == "running":
-            actions += self._begin_stop("worker_failed")
+        if self.phase is Phase.RUNNING:
+            actions += self._begin_stop(RestartCause.WORKER_FAILED)
         return actions
 
-    def workers_stopped(self, node_rank: int, round_: int, failures: list[dict[str, Any]]) -> list[Action]:
+    def workers_stopped(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
         """An agent's workers are all gone; decide once every agent of the round says so."""
-        if round_ != self.round or self.phase not in ("stopping", "preempting"):
+        if round_ != self.round or self.phase not in _STOPPING:
             return []
         actions = self._record(node_rank, failures)
         self.stopped.add(node_rank)
@@ -230,45 +245,41 @@ class JobState:
 
     def workers_done(self, node_rank: int, round_: int) -> list[Action]:
         """An agent's workers all exited 0 (exit barrier): success once every node is done."""
-        if round_ != self.round or self.phase != "running":
+        if round_ != self.round or self.phase is not Phase.RUNNING:
             return []
         self.done.add(node_rank)
         if self.done >= self._alive_round_nodes():
-            return self._finish("succeeded", EXIT_OK)
+            return self._finish(Reason.SUCCEEDED)
         return []
 
     def preempt(self, node_rank: int, signal: str) -> list[Action]:
         """A preemption/time-limit signal reached an agent: stop everywhere, no restart."""
-        if self.phase in ("finished", "preempting"):
+        if self.phase in (Phase.FINISHED, Phase.PREEMPTING):
             return []
-        if self.phase == "rendezvous" or not self._alive_round_nodes():
-            return self._finish("preempted", EXIT_STOPPED_FOR_REQUEUE)
-        self.phase = "preempting"
+        if self.phase is Phase.RENDEZVOUS or not self._alive_round_nodes():
+            return self._finish(Reason.PREEMPTED)
+        self.phase = Phase.PREEMPTING
         self.stopped = set()
         self.deadline = self._now() + self.stop_timeout
-        return [send(n, t="preempt", round=self.round, signal=signal) for n in sorted(self.members)]
+        return [Send(n, messages.Preempt(self.round, signal)) for n in sorted(self.members)]
 
     def tick(self) -> list[Action]:
         """Time-driven decisions: rendezvous timeout, agents that never finish stopping."""
         now = self._now()
-        if self.phase == "rendezvous" and now >= self.deadline:
+        if self.phase is Phase.RENDEZVOUS and now >= self.deadline:
             if len(self.members) >= self.min_nodes and self.members:
                 missing = ", ".join(self.missing())
                 return [
-                    Action(
-                        "print",
-                        data={"text": f"rendezvous timed out; continuing without node(s) {missing}"},
-                    ),
+                    Say(f"rendezvous timed out; continuing without node(s) {missing}"),
                     *self._start_round(),
                 ]
             return self._finish(
-                "too_few_nodes",
-                EXIT_TOO_FEW_NODES,
+                Reason.TOO_FEW_NODES,
                 f"rendezvous timed out after {self.rdzv_timeout:g} s: {len(self.members)} of "
                 f"{len(self.hosts)} nodes joined (need {self.min_nodes}); "
                 f"missing: {', '.join(self.missing())}",
             )
-        if self.phase in ("stopping", "preempting") and now >= self.deadline:
+        if self.phase in _STOPPING and now >= self.deadline:
             actions: list[Action] = []
             for n in sorted(self._alive_round_nodes() - self.stopped):
                 actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
@@ -276,8 +287,8 @@ class JobState:
         return []
 
     # ---- internals --------------------------------------------------------------------------
-    def _record(self, node_rank: int, failures: list[dict[str, Any]]) -> list[Action]:
-        actions = []
+    def _record(self, node_rank: int, failures: Sequence[Failure]) -> list[Action]:
+        actions: list[Action] = []
         for f in failures:
             f = {
                 **f,
@@ -285,102 +296,82 @@ class JobState:
                 "node": self.members[node_rank].host if node_rank in self.members else "",
             }
             self.failures.append(f)
-            actions.append(
-                event("worker_failed", **{k: f.get(k) for k in FAILURE_FIELDS}, exit_ts=f.get("ts"))
-            )
+            actions.append(Record(events.worker_failed(f, exit_ts=f.get("ts"))))
         return actions
 
-    def _begin_stop(self, reason: str) -> list[Action]:
-        self.phase = "stopping"
+    def _begin_stop(self, reason: RestartCause) -> list[Action]:
+        self.phase = Phase.STOPPING
         self.deadline = self._now() + self.stop_timeout
-        return [send(n, t="stop", round=self.round, reason=reason) for n in sorted(self._alive_round_nodes())]
+        return [Send(n, messages.Stop(self.round, reason)) for n in sorted(self._alive_round_nodes())]
 
     def _check_stopped(self) -> list[Action]:
-        if self.phase == "rendezvous":
+        if self.phase is Phase.RENDEZVOUS:
             actions: list[Action] = []
-        elif self.phase not in ("stopping", "preempting") or not self.stopped >= self._alive_round_nodes():
+        elif self.phase not in _STOPPING or not self.stopped >= self._alive_round_nodes():
             return []
-        elif self.phase == "preempting":
-            return self._finish("preempted", EXIT_STOPPED_FOR_REQUEUE)
+        elif self.phase is Phase.PREEMPTING:
+            return self._finish(Reason.PREEMPTED)
         else:
             actions = self._root_cause()
         if 0 not in self.members:
             if self.hosts[0] in self.bad_nodes:
-                return actions + self._finish(
-                    "node_unhealthy", EXIT_NODE_UNHEALTHY, "the coordinator's node is unhealthy"
-                )
-            return actions + self._finish(
-                "coordinator_lost", EXIT_COORDINATOR_LOST, "the coordinator's agent left"
-            )
+                return actions + self._finish(Reason.NODE_UNHEALTHY, "the coordinator's node is unhealthy")
+            return actions + self._finish(Reason.COORDINATOR_LOST, "the coordinator's agent left")
         if len(self.members) < self.min_nodes:
             return actions + self._finish(
-                "too_few_nodes",
-                EXIT_TOO_FEW_NODES,
+                Reason.TOO_FEW_NODES,
                 f"{len(self.members)} node(s) remain, fewer than the minimum {self.min_nodes}",
             )
         if self.restart_count >= self.max_restarts:
             return actions + self._finish(
-                "restarts_exhausted",
-                EXIT_RESTARTS_EXHAUSTED,
+                Reason.RESTARTS_EXHAUSTED,
                 f"the job-wide restart budget ({self.max_restarts}) is spent",
             )
         self.restart_count += 1
-        cause = self.lost_in_round[0]["reason"] if self.lost_in_round else "worker_failed"
+        why = RestartCause.NODE_LOST if self.lost_in_round else RestartCause.WORKER_FAILED
+        cause = self.lost_in_round[0].reason if self.lost_in_round else why.value
         actions.append(
-            event(
-                "restarting",
-                round=self.round + 1,
-                restart_count=self.restart_count,
-                max_restarts=self.max_restarts,
-                reason="node_lost" if self.lost_in_round else "worker_failed",
+            Record(
+                events.restarting(
+                    round=self.round + 1,
+                    restart_count=self.restart_count,
+                    max_restarts=self.max_restarts,
+                    reason=why,
+                )
             )
         )
         actions.append(
-            Action(
-                "print",
-                data={
-                    "text": f"restarting all workers (restart {self.restart_count} "
-                    f"of {self.max_restarts}) after: {cause}"
-                },
+            Say(
+                f"restarting all workers (restart {self.restart_count} of {self.max_restarts}) after: {cause}"
             )
         )
         return actions + self._start_round()
 
     def _root_cause(self) -> list[Action]:
+        """The round's first failure, job-wide: a lost node before any worker failure."""
         if self.lost_in_round:
             lost = self.lost_in_round[0]
-            cause = {k: None for k in FAILURE_FIELDS} | {
-                "round": self.round,
-                "node_rank": lost["node_rank"],
-                "node": lost["node"],
-                "error": f"node lost: {lost['reason']}",
-                "traceback": "",
-                "exit_ts": lost["ts"],
-            }
+            cause: dict[str, Any] = {"round": self.round, "node_rank": lost.node_rank, "node": lost.node}
+            cause["error"] = f"node lost: {lost.reason}"
+            traceback, exit_ts = "", lost.ts
         elif self.failures:
-            first = min(self.failures, key=lambda f: f.get("ts") or 0.0)
-            cause = {k: first.get(k) for k in FAILURE_FIELDS} | {
-                "traceback": first.get("traceback") or "",
-                "exit_ts": first.get("ts"),
-            }
+            cause = min(self.failures, key=lambda f: f.get("ts") or 0.0)
+            traceback, exit_ts = cause.get("traceback") or "", cause.get("ts")
         else:
             return []
-        where = (
-            f"rank {cause['rank']} on {cause['node']}" if cause["rank"] is not None else f"{cause['node']}"
-        )
+        where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
         text = f"root cause (round {self.round}): {where}: {cause['error']}"
-        if cause["traceback"]:
-            text += "\n" + cause["traceback"].rstrip()
-        return [event("root_cause", **cause), Action("print", data={"text": text})]
+        if traceback:
+            text += "\n" + traceback.rstrip()
+        return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
 
-    def _finish(self, reason: str, exit_code: int, message: str = "") -> list[Action]:
-        self.phase = "finished"
-        self.result = {
-            "reason": reason,
-            "exit_code": exit_code,
-            "message": message,
-            # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
-            # failed a health check: the next attempt should not be placed on it either.
-            "bad_nodes": list(dict.fromkeys([*self.bad_nodes, *self.lost_hosts])),
-        }
-        return [send(n, t="finish", **self.result) for n in sorted(self.members)]
+    def _finish(self, reason: Reason, message: str = "") -> list[Action]:
+        self.phase = Phase.FINISHED
+        # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
+        # failed a health check: the next attempt should not be placed on it either.
+        bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.lost_hosts]))
+        self.result = messages.Finish(reason, message, bad_nodes)
+        return [Send(n, self.result) for n in sorted(self.members)]
+
+
+_STOPPING = (Phase.STOPPING, Phase.PREEMPTING)

@@ -17,11 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.env.base import listen
 from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK
 from hpcelastic.rundir import RunDir
 
 _libc = ctypes.CDLL(None, use_errno=True)
+LOCAL_RDZV_TIMEOUT = 60.0  # `hpcelastic run`'s defaults: one machine finds itself fast
+LOCAL_GRACE_PERIOD = 30.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -31,15 +34,22 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass(frozen=True)
 class LocalRun:
-    """What ``hpcelastic run`` was asked to do (already validated)."""
+    """What ``hpcelastic run`` was asked to do (already validated).
+
+    ``agent_args``: further agent options, as words (tests and benchmarks pass some this way).
+    """
 
     min_nodes: int
     max_nodes: int
     nproc: str
     max_restarts: int
     run_dir: Path | None
-    agent_args: tuple[str, ...]
-    program: tuple[str, ...]
+    agent_args: tuple[str, ...] = ()
+    program: tuple[str, ...] = ()
+    rdzv_timeout: float | None = None
+    grace_period: float | None = None
+    stall_timeout: float | None = None
+    module: bool = False
 
 
 def default_run_dir() -> Path:
@@ -47,27 +57,21 @@ def default_run_dir() -> Path:
     return Path("hpcelastic-runs") / f"local-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
-def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> list[str]:
+def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]:
     """The ``python -m hpcelastic agent`` command line every local agent gets."""
-    return [
-        sys.executable,
-        "-m",
-        "hpcelastic",
-        "agent",
-        "--run-dir",
-        str(run_dir.path),
-        "--nodes",
-        f"{spec.min_nodes}:{spec.max_nodes}",
-        "--nproc-per-node",
-        spec.nproc,
-        "--max-restarts",
-        str(spec.max_restarts),
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        *spec.agent_args,
-        "--",
-        *spec.program,
-    ]
+    command = AgentCommand(
+        run_dir=run_dir.path,
+        nodes=f"{spec.min_nodes}:{spec.max_nodes}",
+        nproc_per_node=spec.nproc,
+        max_restarts=spec.max_restarts,
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_timeout=spec.rdzv_timeout,
+        stall_timeout=spec.stall_timeout,
+        grace_period=spec.grace_period,
+        module=spec.module,
+        program=spec.program,
+    )
+    return command.to_argv(sys.executable, extra=spec.agent_args)
 
 
 def start_agents(spec: LocalRun) -> tuple[RunDir, list[subprocess.Popen[bytes]]]:

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from hpcelastic import handoff
+from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.rundir import RunDir
 
@@ -59,40 +60,18 @@ class WorkerConfig:
     node_rank: int
 
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """This node's part of one round, as the coordinator sent it."""
-
-    round: int
-    restart_count: int
-    max_restarts: int
-    group_rank: int
-    group_world_size: int
-    rank_offset: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_message(cls, msg: Mapping[str, Any]) -> RoundInfo:
-        return cls(**{k: msg[k] for k in cls.__dataclass_fields__})
-
-
-STRIPPED_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "HYDRA_", "HPCELASTIC_LOCAL_", "HPCELASTIC_COORDINATOR_")
+#: Never handed to workers (the launcher's own variables are already gone: ``Environment.worker_environ``).
+AGENT_SECRET_VARIABLE = "HPCELASTIC_SECRET"
 
 
 def worker_env(
-    cfg: WorkerConfig, rnd: RoundInfo, local_rank: int, error_file: Path, resume: str | None = None
+    cfg: WorkerConfig, rnd: Round, local_rank: int, error_file: Path, resume: str | None = None
 ) -> dict[str, str]:
     """The full torchrun environment contract plus the ``HPCELASTIC_*`` variables for one worker.
 
     ``resume`` is the published checkpoint handed to this round (``HPCELASTIC_RESUME_FROM``).
     """
-    env = {
-        k: v
-        for k, v in cfg.environ.items()
-        if not k.startswith(STRIPPED_PREFIXES) and k != "HPCELASTIC_SECRET"
-    }
+    env = {k: v for k, v in cfg.environ.items() if k != AGENT_SECRET_VARIABLE}
     rank = rnd.rank_offset + local_rank
     env.update(
         RANK=str(rank),
@@ -193,9 +172,11 @@ class WorkerGroup:
         self._watchdog = watchdog
         self._out_fd = out_fd
         self.workers: list[Worker] = []
-        self.round: RoundInfo | None = None
+        self.round: Round | None = None
+        #: A worker reported a training step in this attempt (kept when the workers are stopped).
+        self.progressed = False
 
-    def start(self, rnd: RoundInfo) -> float:
+    def start(self, rnd: Round) -> float:
         """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
         self.round = rnd
         # Only a published checkpoint that still exists is handed to the workers (handoff.py).
@@ -314,6 +295,7 @@ class WorkerGroup:
             if w.rank == rank:
                 w.last_beat = time.monotonic()
                 w.step = step
+                self.progressed = self.progressed or step is not None
 
     def stalled(self, timeout: float) -> list[Worker]:
         """Running workers whose last heartbeat is older than ``timeout`` (armed by the first one)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -105,13 +104,15 @@ def _numbers(values: list[int]) -> str:
 
 
 def _attempt_over(rd: RunDir, attempt: int) -> str | None:
-    for ev in reversed(rd.events()):
-        kind = ev.get("event")
-        if kind == "attempt_ended" and ev.get("attempt") == attempt:
-            return f"attempt {attempt} ended ({ev.get('reason')})"
-        if kind in ("job_succeeded", "job_failed", "cancelled"):
-            return f"the run ended ({kind})"
-    return None
+    """Why following the log of ``attempt`` should stop (it or the whole run ended), or None."""
+    from hpcelastic import events
+
+    log = rd.events()
+    ended = log.last(events.ATTEMPT_ENDED, attempt=attempt)
+    run_end = log.last(events.JOB_SUCCEEDED, events.JOB_FAILED, events.CANCELLED)
+    if run_end is not None and (ended is None or run_end.get("ts", 0) > ended.get("ts", 0)):
+        return f"the run ended ({run_end['event']})"
+    return None if ended is None else f"attempt {attempt} ended ({ended.get('reason')})"
 
 
 def _follow(rd: RunDir, path: Path, attempt: int) -> None:
@@ -165,47 +166,17 @@ def cancel(run: str) -> None:
 
     A previous job of the run that is still winding down is cancelled too.
     """
-    from hpcelastic.jobs import slurm
-    from hpcelastic.requeue import mark_cancelled
-    from hpcelastic.status import ENDED_STATES
+    from hpcelastic.lifecycle.cancel import cancel_run
 
     rd = resolve_run(run)
-    current = rd.current_job_id()
-    if current is None:
-        raise UserError(f"{rd.path} has no Slurm job id (never submitted); nothing to cancel")
-    mark_cancelled(rd)
-    states = slurm.query_states(rd.job_ids())
-    active = [j for j in rd.job_ids() if j in states and states[j].state not in ENDED_STATES]
-    if current not in states:
-        active.append(current)  # too new for squeue, or already purged: let scancel say which
-    cancelled: list[str] = []
-    while active:
-        job_id = active.pop()
-        slurm.cancel(job_id)
-        rd.append_event("cancelled", job_id=job_id)
-        cancelled.append(job_id)
-        newest = rd.current_job_id()  # a resubmission racing with us gets cancelled too
-        if not active and newest and newest not in cancelled:
-            active.append(newest)
-    if not cancelled:
+    result = cancel_run(rd)
+    if not result.cancelled:
         click.echo(
-            f"job {current} has ended ({states[current].state}); nothing to cancel; no requeue will follow"
+            f"job {result.latest_job_id} has ended ({result.latest_state}); nothing to cancel; "
+            "no requeue will follow"
         )
         return
-    click.echo(f"cancelled job {', '.join(cancelled)} of {rd.path}; see `hpcelastic status {rd.path}`")
-
-
-def _recorded_exit(rd: RunDir, attempt: int) -> int | None:
-    """The exit code an agent already decided for ``attempt``, or None when nobody decided."""
-    ended = None
-    for ev in rd.events():
-        if ev.get("attempt") != attempt:
-            continue
-        if ev.get("event") == "job_failed":
-            return int(ev.get("exit_code", 1))
-        if ev.get("event") in ("attempt_ended", "job_succeeded"):
-            ended = int(ev.get("exit_code", 1))
-    return ended
+    click.echo(f"cancelled job {', '.join(result.cancelled)} of {rd.path}; see `hpcelastic status {rd.path}`")
 
 
 @click.command("finalize")
@@ -220,41 +191,14 @@ def finalize(
     run_dir: str, exit_code: int, stopped: bool, requeue_mode: str | None, max_requeues: int | None
 ) -> None:
     """(internal) After srun: exit with the agents' decision, or decide when no agent could."""
-    from hpcelastic import handoff
-    from hpcelastic.requeue import (
-        DEFAULT_MAX_REQUEUES,
-        DEFAULT_MODE,
-        EXIT_CODES,
-        RequeuePolicy,
-        classify_stop_signal,
-        current_job_id,
-    )
+    from hpcelastic.lifecycle.finalize import finalize as run_finalize
 
-    rd = RunDir.open(run_dir)
-    job_id = current_job_id()
-    if job_id is None:
-        attempt = handoff.load(rd).attempt
-    else:
-        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-        attempt = handoff.begin_attempt(rd, job_id, int(restarts) if restarts.isdigit() else 0)
-    recorded = _recorded_exit(rd, attempt)
-    if recorded is not None:
-        sys.exit(recorded)
-    if exit_code == 0:
-        reason = "succeeded"
-    elif exit_code == 2:
-        reason = "startup_failure"  # the agents rejected their own arguments: the next attempt would too
-    elif stopped and job_id:
-        reason = classify_stop_signal(job_id)
-    else:
-        reason = "coordinator_lost"
-    click.echo(
-        f"hpcelastic: the job step ended with exit code {exit_code} and no agent decided; {reason}", err=True
+    sys.exit(
+        run_finalize(
+            RunDir.open(run_dir),
+            exit_code,
+            stopped=stopped,
+            requeue_mode=requeue_mode,
+            max_requeues=max_requeues,
+        )
     )
-    meta = rd.read_meta()
-    policy = RequeuePolicy(
-        requeue_mode or meta.get("requeue_mode") or DEFAULT_MODE,
-        max_requeues if max_requeues is not None else int(meta.get("max_requeues", DEFAULT_MAX_REQUEUES)),
-    )
-    outcome = policy.decide(rd, attempt, reason, EXIT_CODES[reason], [], job_id)
-    sys.exit(outcome.exit_code)

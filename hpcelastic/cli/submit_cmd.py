@@ -1,80 +1,45 @@
-"""``hpcelastic submit``: parse flags, then hand over to :mod:`hpcelastic.api` (no logic here)."""
+"""``hpcelastic submit``: parse flags, then hand over to :mod:`hpcelastic.api` (no logic here).
+
+The flags are generated from :data:`hpcelastic.jobs.options.SUBMIT_OPTIONS`, the one declaration
+of a submission's options (the Python API takes the same names as keywords).
+"""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
+from typing import Any
 
 import click
 
+from hpcelastic.jobs.options import SUBMIT_OPTIONS, SubmitOption
 
-def _env(name: str) -> str:
-    return f"HPCELASTIC_{name}"
+
+def _click_option(option: SubmitOption) -> Callable[[Any], Any]:
+    flags = (option.short, option.flag) if option.short else (option.flag,)
+    kind: Any = click.Choice(option.choices) if option.choices else option.type
+    extra: dict[str, Any] = {"is_flag": True} if option.is_flag else {"type": kind}
+    if option.default is not None:
+        extra.update(default=option.default, show_default=True)
+    return click.option(
+        *flags, option.name, envvar=option.envvar, multiple=option.multiple, help=option.help, **extra
+    )
+
+
+def _with_submit_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(SUBMIT_OPTIONS):
+        command = _click_option(option)(command)
+    return command
 
 
 @click.command(
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     short_help="Render a batch script and submit it to Slurm.",
 )
-@click.option(
-    "--nodes", envvar=_env("NODES"), default="1", show_default=True, help="N, or N_MIN:N_MAX (elastic)."
-)
-@click.option("--gpus-per-node", envvar=_env("GPUS_PER_NODE"), type=int, help="GPUs to request on each node.")
-@click.option("--nproc-per-node", envvar=_env("NPROC_PER_NODE"), help="Workers per node: N or auto.")
-@click.option("--time", "time_limit", envvar=_env("TIME"), help="Time limit: MM, HH:MM:SS, D-HH:MM, ...")
-@click.option("--partition", envvar=_env("PARTITION"), help="Slurm partition.")
-@click.option("--account", envvar=_env("ACCOUNT"), help="Slurm account.")
-@click.option("--qos", envvar=_env("QOS"), help="Slurm QOS.")
-@click.option("--constraint", envvar=_env("CONSTRAINT"), help="Node feature constraint.")
-@click.option("--exclude", envvar=_env("EXCLUDE"), help="Nodes never to use (a hostlist).")
-@click.option("--job-name", envvar=_env("JOB_NAME"), help="Job name [default: the script's name].")
-@click.option("--site", envvar=_env("SITE"), help="Site config name or YAML file [default: detected].")
-@click.option("--max-restarts", envvar=_env("MAX_RESTARTS"), type=int, help="Job-wide worker restarts.")
-@click.option("--max-requeues", envvar=_env("MAX_REQUEUES"), type=int, help="Requeues after failures.")
-@click.option("--checkpoint-dir", envvar=_env("CHECKPOINT_DIR"), help="[default: RUN_DIR/checkpoints]")
-@click.option("--run-dir", envvar=_env("RUN_DIR"), help="[default: ./hpcelastic-runs/NAME-DATE-TIME]")
-@click.option(
-    "--signal", "signal_spec", envvar=_env("SIGNAL"), help="SIG@SECONDS before the limit [USR2@180]."
-)
-@click.option(
-    "--env", "env_items", envvar=_env("ENV"), multiple=True, help="KEY=VALUE for the job (repeatable)."
-)
-@click.option(
-    "--sbatch-arg", "sbatch_args", envvar=_env("SBATCH_ARG"), multiple=True, help="Passed to sbatch."
-)
-@click.option("--template", envvar=_env("TEMPLATE"), help="Batch script template name or file.")
-@click.option("--backend", envvar=_env("BACKEND"), type=click.Choice(["sbatch", "submitit"]), help="[sbatch]")
-@click.option("--dry-run", envvar=_env("DRY_RUN"), is_flag=True, help="Print the script; submit nothing.")
-@click.option("--json", "as_json", envvar=_env("JSON"), is_flag=True, help="Print one JSON object.")
-@click.option("-m", "--module", envvar=_env("MODULE"), is_flag=True, help="SCRIPT is a module (python -m).")
+@_with_submit_options
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def submit(
-    nodes: str,
-    gpus_per_node: int | None,
-    nproc_per_node: str | None,
-    time_limit: str | None,
-    partition: str | None,
-    account: str | None,
-    qos: str | None,
-    constraint: str | None,
-    exclude: str | None,
-    job_name: str | None,
-    site: str | None,
-    max_restarts: int | None,
-    max_requeues: int | None,
-    checkpoint_dir: str | None,
-    run_dir: str | None,
-    signal_spec: str | None,
-    env_items: tuple[str, ...],
-    sbatch_args: tuple[str, ...],
-    template: str | None,
-    backend: str | None,
-    dry_run: bool,
-    as_json: bool,
-    module: bool,
-    script: str,
-    script_args: tuple[str, ...],
-) -> None:
+def submit(script: str, script_args: tuple[str, ...], dry_run: bool, json: bool, **options: Any) -> None:
     """Submit SCRIPT [ARGS]... to Slurm, one hpcelastic agent per node.
 
     \b
@@ -84,39 +49,17 @@ def submit(
     """
     from hpcelastic import api
 
-    spec = api.prepare(
-        script,
-        script_args,
-        module=module,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        nproc_per_node=nproc_per_node,
-        time=time_limit,
-        partition=partition,
-        account=account,
-        qos=qos,
-        constraint=constraint,
-        exclude=exclude,
-        job_name=job_name,
-        site=site,
-        max_restarts=max_restarts,
-        max_requeues=max_requeues,
-        checkpoint_dir=checkpoint_dir,
-        run_dir=run_dir,
-        signal=signal_spec,
-        env=list(env_items),
-        sbatch_args=sbatch_args,
-        template=template,
-        backend=backend,
-    )
+    spec = api.prepare(script, script_args, **options)
     if dry_run:
-        _dry_run(spec, as_json)
+        _dry_run(spec, json)
         return
     job = api.submit_spec(spec)
-    if as_json:
-        import json
+    if json:
+        import json as json_lib
 
-        click.echo(json.dumps({"job_id": job.job_id, "run_dir": str(job.run_dir), "backend": spec.backend}))
+        click.echo(
+            json_lib.dumps({"job_id": job.job_id, "run_dir": str(job.run_dir), "backend": spec.backend})
+        )
         return
     click.echo(f"Submitted job {job.job_id} ({spec.backend}, nodes {spec.nodes_text}, site {spec.site})")
     click.echo(f"Run directory: {job.run_dir}")

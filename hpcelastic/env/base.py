@@ -30,7 +30,12 @@ class NodeContext:
     hosts: tuple[str, ...]
     job_id: str | None
     restart_count: int
-    gpus: tuple[str, ...] = ()
+    gpus: tuple[str, ...] = ()  # as CUDA_VISIBLE_DEVICES names them (what workers are given)
+    nvml_gpu_ids: tuple[str, ...] = ()  # the same GPUs as NVML numbers them (health checks); gpus if unset
+
+    def __post_init__(self) -> None:
+        if not self.nvml_gpu_ids:
+            object.__setattr__(self, "nvml_gpu_ids", self.gpus)
 
     @property
     def host(self) -> str:
@@ -87,6 +92,10 @@ class Environment(ABC):
     def rendezvous(self, ctx: NodeContext, opts: BootstrapOptions) -> Rendezvous:
         """Find the coordinator (group rank 0 also opens its listening socket)."""
 
+    def worker_environ(self) -> dict[str, str]:
+        """The environment this node's workers start from: the agent's, less its launcher's variables."""
+        return worker_environ(self.environ)
+
     def _int(self, name: str, default: int | None = None) -> int:
         value = self.environ.get(name)
         if value is None or value == "":
@@ -101,15 +110,33 @@ class Environment(ABC):
             raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def visible_gpus(environ: Mapping[str, str], count_var: str | None = None) -> tuple[str, ...]:
-    """GPU ids visible to this process: ``CUDA_VISIBLE_DEVICES``, else ``count_var`` GPUs, else none."""
+def visible_gpus(environ: Mapping[str, str], count: int | None = None) -> tuple[str, ...]:
+    """GPU ids visible to this process: ``CUDA_VISIBLE_DEVICES``, else ``0..count-1``, else none."""
     cvd = environ.get("CUDA_VISIBLE_DEVICES")
     if cvd is not None:
         ids = tuple(x.strip() for x in cvd.split(",") if x.strip())
         return () if ids in ((), ("NoDevFiles",), ("-1",)) else ids
-    if count_var and environ.get(count_var, "").isdigit():
-        return tuple(str(i) for i in range(int(environ[count_var])))
-    return ()
+    return tuple(str(i) for i in range(count or 0))
+
+
+# Variables that place the agent itself: an MPI launcher's rank and wire-up (Open MPI and PMIx;
+# MPICH's Hydra and PMI, including its node-local rank) and `hpcelastic run`'s own. A worker that
+# inherited them and used MPI itself would pose as the agent's rank.
+AGENT_ONLY_VARIABLES = (
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "HYDRA_",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "HPCELASTIC_LOCAL_",
+    "HPCELASTIC_COORDINATOR_",
+)
+
+
+def worker_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the variables of :data:`AGENT_ONLY_VARIABLES` (names starting so)."""
+    return {k: v for k, v in environ.items() if not k.startswith(AGENT_ONLY_VARIABLES)}
 
 
 _ENDPOINT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.-]+)):(?P<port>[0-9]{1,5})$")

@@ -4,9 +4,10 @@ Detected from the launcher's environment variables before mpi4py is imported; mp
 once, for the bootstrap: rank 0 binds port 0 (no race), and broadcasts its address, the port, the
 job secret and the run directory. Only byte buffers of JSON cross MPI: mpi4py's lower-case methods
 (``bcast``, ``allgather``) would pickle, and the agents never unpickle anything. The workers'
-environment is cleaned of the launcher's variables so a worker that uses MPI itself does not pose
-as the agent's rank. Start it with ``mpirun --map-by ppr:1:node --bind-to none``: one agent per
-node, not pinned to one core.
+environment (:meth:`~hpcelastic.env.base.Environment.worker_environ`) is cleaned of the launcher's
+variables, Open MPI's and MPICH's, so a worker that uses MPI itself does not pose as the agent's
+rank. Start it with ``mpirun --map-by ppr:1:node --bind-to none``: one agent per node, not pinned
+to one core.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from hpcelastic.env import slurm
 from hpcelastic.env.base import (
     BootstrapOptions,
     Environment,
@@ -32,8 +34,6 @@ from hpcelastic.env.base import (
 )
 from hpcelastic.errors import UserError
 from hpcelastic.rundir import RunDir
-
-LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "HYDRA_")
 
 
 def _comm() -> Any:
@@ -82,7 +82,7 @@ class MPIEnvironment(Environment):
         if environ.get("OMPI_COMM_WORLD_SIZE"):
             return True
         # srun --mpi=pmi2 also sets PMI_SIZE: inside a Slurm step the Slurm environment wins.
-        return bool(environ.get("PMI_SIZE")) and not environ.get("SLURM_STEP_ID")
+        return bool(environ.get("PMI_SIZE")) and slurm.variable(environ, "step_id") is None
 
     def context(self) -> NodeContext:
         comm = _comm()
@@ -101,8 +101,8 @@ class MPIEnvironment(Environment):
             node_rank=rank,
             num_nodes=size,
             hosts=names,
-            job_id=self.environ.get("SLURM_JOB_ID"),
-            restart_count=self._int("SLURM_RESTART_COUNT", 0),
+            job_id=slurm.job_id(self.environ),
+            restart_count=slurm.restart_count(self.environ),
             gpus=visible_gpus(self.environ),
         )
 

@@ -1,5 +1,8 @@
 """A Slurm job step (``srun ... hpcelastic agent``): ranks and nodes from the step's variables.
 
+Every ``SLURM_*`` variable hpcelastic reads is in one table (:data:`VARIABLES`, fact -> variables),
+read into one typed record (:class:`SlurmFacts`); nothing outside ``env/`` reads them.
+
 Hostlists are expanded with python-hostlist, never with ``scontrol``. The coordinator runs on the
 step's first node at a port derived from the job id and restart count, so every agent can compute
 the endpoint on its own; ``--rdzv-endpoint``/``--rdzv-port`` override it.
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import get_args, get_type_hints
 
 import hostlist
 
@@ -25,24 +30,118 @@ from hpcelastic.env.base import (
     visible_gpus,
 )
 from hpcelastic.errors import UserError
+from hpcelastic.parse import ASCII_INT
 
 PORT_BASE = 20000
 PORT_SPAN = 10000
 
 
+@dataclass(frozen=True)
+class SlurmFacts:
+    """What Slurm tells a process about its job and step (None: the variable is not set)."""
+
+    job_id: str | None = None
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    node_list: str | None = None
+    step_id: str | None = None
+    step_node_list: str | None = None
+    step_num_nodes: int | None = None
+    step_num_tasks: int | None = None
+    node_id: int | None = None
+    proc_id: int | None = None
+    restart_count: int | None = None
+    gpus_on_node: int | None = None
+    step_gpus: str | None = None
+    job_gpus: str | None = None
+
+
+# Each fact and the variable(s) Slurm sets it in, the first set one wins (as submitit's JobEnvironment).
+VARIABLES: dict[str, tuple[str, ...]] = {
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+    "array_job_id": ("SLURM_ARRAY_JOB_ID",),
+    "array_task_id": ("SLURM_ARRAY_TASK_ID",),
+    "node_list": ("SLURM_NODELIST", "SLURM_JOB_NODELIST"),
+    "step_id": ("SLURM_STEP_ID", "SLURM_STEPID"),
+    "step_node_list": ("SLURM_STEP_NODELIST",),
+    "step_num_nodes": ("SLURM_STEP_NUM_NODES",),
+    "step_num_tasks": ("SLURM_STEP_NUM_TASKS",),
+    "node_id": ("SLURM_NODEID",),
+    "proc_id": ("SLURM_PROCID",),
+    "restart_count": ("SLURM_RESTART_COUNT",),
+    "gpus_on_node": ("SLURM_GPUS_ON_NODE",),
+    "step_gpus": ("SLURM_STEP_GPUS",),
+    "job_gpus": ("SLURM_JOB_GPUS",),
+}
+_INTS = frozenset(name for name, hint in get_type_hints(SlurmFacts).items() if int in get_args(hint))
+
+
+def variable(environ: Mapping[str, str], fact: str) -> tuple[str, str] | None:
+    """``(name, value)`` of the first non-empty variable that carries ``fact``; None when none is set."""
+    for name in VARIABLES[fact]:
+        value = environ.get(name)
+        if value:
+            return name, value
+    return None
+
+
+def read(environ: Mapping[str, str]) -> SlurmFacts:
+    """Every fact of :data:`VARIABLES` from ``environ``; :class:`UserError` for a number that is not one."""
+    values: dict[str, str | int | None] = {}
+    for fact in VARIABLES:
+        found = variable(environ, fact)
+        if found is not None and fact in _INTS:
+            name, text = found
+            if not ASCII_INT.fullmatch(text.strip()):
+                raise UserError(f"environment variable {name}={text!r} is not an integer")
+            values[fact] = int(text)
+        else:
+            values[fact] = found[1] if found else None
+    return SlurmFacts(**values)
+
+
 def job_id(environ: Mapping[str, str]) -> str | None:
     """The id that names this allocation to Slurm: ``<array job>_<task>`` for an array task, else
     ``SLURM_JOB_ID``; None outside Slurm. The one job id used to requeue, resubmit and key attempts."""
-    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    array_job, task = variable(environ, "array_job_id"), variable(environ, "array_task_id")
     if array_job and task:
-        return f"{array_job}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
+        return f"{array_job[1]}_{task[1]}"
+    found = variable(environ, "job_id")
+    return found[1] if found else None
+
+
+def outside_job(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the job's ``SLURM_*`` variables (``SLURM_CONF`` kept): what a command that submits
+    a new job from inside this one must run with, so the new job inherits nothing of this allocation."""
+    return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
 
 
 def restart_count(environ: Mapping[str, str]) -> int:
     """How many times Slurm requeued this job (``SLURM_RESTART_COUNT``; 0 when unset or not a number)."""
-    value = environ.get("SLURM_RESTART_COUNT", "0")
+    found = variable(environ, "restart_count")
+    value = found[1] if found else "0"
     return int(value) if value.isascii() and value.isdigit() else 0
+
+
+def task_rank(environ: Mapping[str, str]) -> int:
+    """This task's rank in its step (``SLURM_PROCID``; 0 when unset or not a number)."""
+    found = variable(environ, "proc_id")
+    value = found[1] if found else "0"
+    return int(value) if value.isascii() and value.isdigit() else 0
+
+
+def gpu_ids(ids: str | None) -> tuple[str, ...]:
+    """``"0,2"`` -> ("0", "2"): a Slurm GPU index list (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``)."""
+    return tuple(x.strip() for x in (ids or "").split(",") if x.strip())
+
+
+def nvml_gpu_ids(facts: SlurmFacts, visible: tuple[str, ...]) -> tuple[str, ...]:
+    """NVML's ids of this node's GPUs: the step's (else the job's) global ids when they count as many
+    as the visible GPUs (``CUDA_VISIBLE_DEVICES`` renumbers from 0 inside a cgroup), else the visible ids."""
+    for ids in (gpu_ids(facts.step_gpus), gpu_ids(facts.job_gpus)):
+        if ids and len(ids) == len(visible):
+            return ids
+    return visible
 
 
 def derived_port(job_id: str | None, restart_count: int) -> int:
@@ -59,20 +158,20 @@ class SlurmEnvironment(Environment):
     @classmethod
     def detect(cls, environ: Mapping[str, str]) -> bool:
         return bool(
-            environ.get("SLURM_STEP_NODELIST")
-            or environ.get("SLURM_JOB_ID")
-            and environ.get("SLURM_NODELIST")
+            variable(environ, "step_node_list")
+            or variable(environ, "job_id")
+            and variable(environ, "node_list")
         )
 
     def context(self) -> NodeContext:
-        e = self.environ
-        nodelist = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_NODELIST", "")
+        facts = read(self.environ)
+        nodelist = facts.step_node_list or facts.node_list or ""
         try:
             hosts = tuple(hostlist.expand_hostlist(nodelist))
         except hostlist.BadHostlist as err:
             raise UserError(f"cannot expand the Slurm node list {nodelist!r}: {err}") from None
-        num_nodes = self._int("SLURM_STEP_NUM_NODES", len(hosts))
-        tasks = self._int("SLURM_STEP_NUM_TASKS", num_nodes)
+        num_nodes = len(hosts) if facts.step_num_nodes is None else facts.step_num_nodes
+        tasks = num_nodes if facts.step_num_tasks is None else facts.step_num_tasks
         if tasks != num_nodes:
             raise UserError(
                 f"the step runs {tasks} tasks on {num_nodes} nodes; start one agent per node "
@@ -80,17 +179,20 @@ class SlurmEnvironment(Environment):
             )
         if len(hosts) != num_nodes:
             raise UserError(f"SLURM_STEP_NUM_NODES={num_nodes} disagrees with the node list {nodelist!r}")
-        node_rank = self._int("SLURM_NODEID")
-        if not 0 <= node_rank < num_nodes:
-            raise UserError(f"SLURM_NODEID={node_rank} is outside the step's {num_nodes} nodes")
+        if facts.node_id is None:
+            raise UserError("environment variable SLURM_NODEID is not set; is the agent running under slurm?")
+        if not 0 <= facts.node_id < num_nodes:
+            raise UserError(f"SLURM_NODEID={facts.node_id} is outside the step's {num_nodes} nodes")
+        gpus = visible_gpus(self.environ, facts.gpus_on_node)
         return NodeContext(
             environment=self.name,
-            node_rank=node_rank,
+            node_rank=facts.node_id,
             num_nodes=num_nodes,
             hosts=hosts,
-            job_id=e.get("SLURM_JOB_ID"),
-            restart_count=self._int("SLURM_RESTART_COUNT", 0),
-            gpus=visible_gpus(e, "SLURM_GPUS_ON_NODE"),
+            job_id=job_id(self.environ),
+            restart_count=facts.restart_count or 0,
+            gpus=gpus,
+            nvml_gpu_ids=nvml_gpu_ids(facts, gpus),
         )
 
     def rendezvous(self, ctx: NodeContext, opts: BootstrapOptions) -> Rendezvous:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from hpcelastic import __version__, runindex
+from hpcelastic import __version__, events, runindex
 from hpcelastic.errors import UserError
 from hpcelastic.jobs.render import JobRequest
 from hpcelastic.rundir import RunDir, write_atomic
@@ -109,8 +109,8 @@ def submit_request(
             Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         run.write_meta(_meta(request, backend.name))
         job_id = backend.submit(request, run)
-        run.append_event(
-            "submitted", job_id=job_id, backend=backend.name, nodes=spec.nodes_text, script=spec.script
+        run.record(
+            events.submitted(job_id=job_id, backend=backend.name, nodes=spec.nodes_text, script=spec.script)
         )
         runindex.record_job(job_id, run.path)
     except BaseException:

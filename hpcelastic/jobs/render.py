@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcelastic import __version__
+from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.errors import UserError
 from hpcelastic.jobs.spec import JobSpec
 from hpcelastic.resources import data_dir
@@ -72,7 +73,7 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
             _option("gres", f"gpu:{gpus}") if spec.gpu_request == "gres" else _option("gpus-per-node", gpus)
         )
     if spec.time_limit_s is not None:
-        from hpcelastic.sites import format_time
+        from hpcelastic.parse import format_time
 
         out.append(_option("time", format_time(spec.time_limit_s)))
     for name in ("partition", "account", "qos", "constraint", "exclude"):
@@ -92,24 +93,34 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
     return tuple(out)
 
 
+def agent_command(spec: JobSpec) -> AgentCommand:
+    """The agent's options for ``spec``: every value the site or the user settled is passed on."""
+    return AgentCommand(
+        run_dir=Path(spec.run_dir),
+        nodes=spec.nodes_text,
+        nproc_per_node=spec.nproc_per_node,
+        max_restarts=spec.max_restarts,
+        checkpoint_dir=Path(spec.checkpoint_dir),
+        rdzv_port=spec.rdzv_port,
+        rdzv_interface=spec.rdzv_interface or None,
+        stall_timeout=spec.stall_timeout_s,
+        signal=spec.signal,
+        grace_period=spec.grace_period_s,
+        requeue_mode=spec.requeue_mode,
+        max_requeues=spec.max_requeues,
+        module=spec.module,
+        program=(spec.script, *spec.script_args),
+    )
+
+
 def agent_argv(spec: JobSpec) -> tuple[str, ...]:
     """``PYTHON -m hpcelastic agent ...`` exactly as docs/ARCHITECTURE.md ("Agent command line") states."""
-    argv = [spec.python, "-m", "hpcelastic", "agent", "--run-dir", spec.run_dir, "--nodes", spec.nodes_text]
-    argv += ["--nproc-per-node", spec.nproc_per_node, "--max-restarts", str(spec.max_restarts)]
-    argv += ["--checkpoint-dir", spec.checkpoint_dir]
-    if spec.rdzv_port is not None:
-        argv += ["--rdzv-port", str(spec.rdzv_port)]
-    if spec.rdzv_interface:
-        argv += ["--rdzv-interface", spec.rdzv_interface]
-    if spec.stall_timeout_s is not None:
-        argv += ["--stall-timeout", str(spec.stall_timeout_s)]
-    argv += ["--signal", spec.signal]
-    if spec.grace_period_s is not None:
-        argv += ["--grace-period", str(spec.grace_period_s)]
-    argv += ["--requeue-mode", spec.requeue_mode, "--max-requeues", str(spec.max_requeues)]
-    if spec.module:
-        argv.append("-m")
-    return (*argv, "--", spec.script, *spec.script_args)
+    return agent_command(spec).to_argv(spec.python)
+
+
+def trapped_signals(spec: JobSpec) -> tuple[str, ...]:
+    """The signals the batch step forwards to the agents: the site's stop signal, and TERM (scancel)."""
+    return tuple(dict.fromkeys((spec.signal, "TERM")))
 
 
 def _join(words: Sequence[str]) -> str:
@@ -157,7 +168,6 @@ def render(spec: JobSpec) -> JobRequest:
     finalize = (spec.python, "-m", "hpcelastic", "finalize", "--run-dir", spec.run_dir)
     env = (("HPCELASTIC_RUN_DIR", spec.run_dir), *spec.env)
     directives = directives_for(spec)
-    trapped = [spec.signal] + [s for s in ("TERM",) if s != spec.signal]
     jinja_env, name = _environment(spec.template)
     import jinja2
 
@@ -170,7 +180,7 @@ def render(spec: JobSpec) -> JobRequest:
             modules=spec.modules,
             setup=spec.setup,
             env=env,
-            trapped_signals=trapped,
+            trapped_signals=list(trapped_signals(spec)),
             agent_line=agent_line(argv),
             finalize_line=_join(finalize) + ' --exit-code "$rc"',
             spec=spec,

@@ -7,6 +7,7 @@ carrying Slurm's own message, and marks errors that are worth retrying
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -33,9 +34,22 @@ _TRANSIENT_PATTERNS = (
 )
 
 
-def is_available(command: str = "sbatch") -> bool:
-    """True when the Slurm command ``command`` is on PATH."""
-    return shutil.which(command) is not None
+#: Job states after which a job id does not run again (a requeued job goes back to PENDING instead).
+ENDED_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
+#: Job states of a job that Slurm has queued again (after a requeue).
+PENDING_AGAIN_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 
 
 def run_slurm(
@@ -117,6 +131,53 @@ def show_job(job_id: str) -> dict[str, str]:
     if not lines:
         raise SlurmError(f"scontrol knows no job {job_id}")
     return parse_scontrol_record(lines[0])
+
+
+def parse_time(value: str | None) -> float | None:
+    """A Slurm time stamp (``2026-01-02T03:04:05``, local time) as epoch seconds; None when unset."""
+    if not value or value in ("Unknown", "None", "(null)"):
+        return None
+    try:
+        return datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """The facts of ``scontrol show job`` that hpcelastic uses."""
+
+    state: str
+    restarts: int | None
+    end_time: float | None
+    preempt_time: float | None
+    work_dir: str | None
+
+
+def job_info(job_id: str) -> JobInfo:
+    """One ``scontrol show job``, typed; raises :class:`SlurmError` when Slurm cannot tell."""
+    rec = show_job(job_id)
+    restarts = rec.get("Restarts", "")
+    return JobInfo(
+        state=rec.get("JobState", ""),
+        restarts=int(restarts) if restarts.isdigit() else None,
+        end_time=parse_time(rec.get("EndTime")),
+        preempt_time=parse_time(rec.get("PreemptTime")),
+        work_dir=rec.get("WorkDir") or None,
+    )
+
+
+def dependent_job(job_id: str) -> str | None:
+    """A pending job of ours waiting on ``job_id`` (``afterany``), e.g. an sbatch whose reply was lost."""
+    try:
+        out = run_slurm(["squeue", "--me", "-h", "-t", "PENDING", "-o", "%i|%E"], timeout=15)
+    except SlurmError:
+        return None
+    for line in out.splitlines():
+        jid, _, deps = line.partition("|")
+        if re.search(rf"afterany:{re.escape(job_id)}(\(|,|$)", deps):
+            return jid.strip()
+    return None
 
 
 def requeue(job_id: str) -> None:

@@ -16,16 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
-from hpcelastic.sites import ENV_NAME, MAX_SIGNAL_LEAD_S, Resolved, normalize_signal, parse_time
+from hpcelastic.jobs.options import DEFAULT_NODES
+from hpcelastic.parse import (
+    AUTO,
+    check_module_name,
+    no_nul,
+    parse_nodes,
+    parse_nproc,
+    parse_time,
+    signal_name,
+)
+from hpcelastic.sites import Resolved, default
 
-_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 # bash refuses to assign these; the run directory variable is hpcelastic's own.
 _RESERVED_ENV = frozenset(
     {"BASHOPTS", "BASH_VERSINFO", "EUID", "PPID", "SHELLOPTS", "UID", "HPCELASTIC_RUN_DIR"}
 )
-# ASCII only: \d and str.isdigit() also accept digits such as '٣' and '²' (int() refuses the latter).
-_ASCII_DIGITS = re.compile(r"[0-9]+")
-_NODES = re.compile(r"\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?")
 
 
 @dataclass(frozen=True)
@@ -76,51 +82,6 @@ class JobSpec:
         return f"{self.nodes_min}:{self.nodes_max}"
 
 
-def parse_nodes(value: str | int) -> tuple[int, int]:
-    """``"4"`` -> (4, 4), ``"2:4"`` -> (2, 4); UserError for 0, a reversed range or junk."""
-    m = _NODES.fullmatch(str(value))
-    if not m:
-        raise UserError(f"--nodes {value!r} is not N or N_MIN:N_MAX (e.g. --nodes 4 or --nodes 2:4)")
-    low = int(m.group(1))
-    high = int(m.group(2)) if m.group(2) is not None else low
-    if low < 1:
-        raise UserError(f"--nodes {value!r}: at least one node is needed")
-    if high < low:
-        raise UserError(f"--nodes {value!r}: N_MIN is larger than N_MAX; write it as {high}:{low}")
-    return low, high
-
-
-def parse_signal(value: str) -> tuple[str, int]:
-    """``"USR2@180"`` -> ("USR2", 180); UserError otherwise."""
-    name, sep, lead = str(value).partition("@")
-    sig = normalize_signal(name)
-    if not sep or sig is None or not _ASCII_DIGITS.fullmatch(lead.strip()):
-        raise UserError(f"--signal {value!r} is not SIG@SECONDS (e.g. --signal USR2@180)")
-    seconds = int(lead)
-    if seconds > MAX_SIGNAL_LEAD_S:
-        raise UserError(f"--signal {value!r}: Slurm allows at most {MAX_SIGNAL_LEAD_S} s of lead time")
-    return sig, seconds
-
-
-def parse_env(items: Sequence[str]) -> dict[str, str]:
-    """``["A=1", "B=x=y"]`` -> {"A": "1", "B": "x=y"}; UserError for a malformed entry."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not ENV_NAME.fullmatch(key):
-            raise UserError(
-                f"--env {item!r} is not KEY=VALUE with a valid variable name (e.g. --env NCCL_DEBUG=INFO)"
-            )
-        _no_nul(value, f"--env {key}")
-        out[key] = value
-    return out
-
-
-def _no_nul(value: str, what: str) -> None:
-    if "\0" in value:
-        raise UserError(f"{what} contains a NUL byte, which no command line or environment can carry")
-
-
 def check_hostlist(text: str, what: str) -> None:
     """A Slurm hostlist such as ``node[1-3,7],gpu01``; UserError naming the flag otherwise."""
     import hostlist
@@ -161,9 +122,7 @@ def _resolve_script(script: str, module: bool, cwd: str) -> str:
     if not script:
         raise UserError("no training script given (usage: hpcelastic submit [OPTIONS] SCRIPT [ARGS]...)")
     if module:
-        if not _MODULE_NAME.fullmatch(script):
-            raise UserError(f"-m {script!r} is not a Python module name (e.g. -m mypkg.train)")
-        return script
+        return check_module_name(script)
     path = Path(cwd) / os.path.expanduser(script)
     if not path.is_file():
         raise UserError(f"training script {script!r} does not exist (looked for {path})")
@@ -172,11 +131,9 @@ def _resolve_script(script: str, module: bool, cwd: str) -> str:
 
 def _nproc(value: str | int | None, gpus: int | None) -> str:
     if value is None or str(value).strip() == "":
-        return str(gpus) if gpus else "auto"
-    text = str(value).strip().lower()
-    if text == "auto" or (_ASCII_DIGITS.fullmatch(text) and int(text) > 0):
-        return text
-    raise UserError(f"--nproc-per-node {value!r} must be a positive integer or 'auto'")
+        return str(gpus) if gpus else AUTO
+    count = parse_nproc(value)
+    return AUTO if count is None else str(count)
 
 
 def build_spec(
@@ -185,7 +142,7 @@ def build_spec(
     script: str,
     script_args: Sequence[str] = (),
     module: bool = False,
-    nodes: str | int = 1,
+    nodes: str | int = DEFAULT_NODES,
     nproc_per_node: str | int | None = None,
     job_name: str | None = None,
     run_dir: str | None = None,
@@ -215,14 +172,14 @@ def build_spec(
         )
     script_path = _resolve_script(script, module, cwd)
     for i, arg in enumerate(script_args):
-        _no_nul(arg, f"script argument {i + 1}")
+        no_nul(arg, f"script argument {i + 1}")
     name = check_job_name(job_name if job_name is not None else default_job_name(script, module))
     run = os.path.abspath(os.path.join(cwd, os.path.expanduser(run_dir))) if run_dir else None
     run = run or default_run_dir(v("run_root"), name, cwd, now)
     ckpt = os.path.abspath(os.path.join(cwd, os.path.expanduser(checkpoint_dir))) if checkpoint_dir else None
     merged_env = {**{k: str(x) for k, x in (v("env") or {}).items()}, **dict(env or {})}
     for key, value in merged_env.items():
-        _no_nul(value, f"environment value {key}")
+        no_nul(value, f"environment value {key}")
         if key in _RESERVED_ENV:
             raise UserError(
                 f"--env {key}=...: {key} cannot be set for the job (reserved by bash or hpcelastic)"
@@ -236,7 +193,7 @@ def build_spec(
                 f"site {config.site!r}: sbatch_directives entry {d!r} must be one option on one line"
             )
     for a in sbatch_args:
-        _no_nul(a, "--sbatch-arg")
+        no_nul(a, "--sbatch-arg")
         if not a.startswith("-"):
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
     return JobSpec(
@@ -259,7 +216,7 @@ def build_spec(
         constraint=v("constraint"),
         exclude=v("exclude"),
         gpu_request=v("gpu_request"),
-        signal=normalize_signal(v("signal.name")) or "USR2",
+        signal=signal_name(v("signal.name")) or signal_name(default("signal.name")),
         signal_lead_s=lead,
         max_restarts=v("max_restarts"),
         requeue_mode=v("requeue.mode"),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
-from hpcelastic.jobs.render import JobRequest
+from hpcelastic.jobs.render import JobRequest, trapped_signals
 from hpcelastic.rundir import RunDir
 
 SUBMITIT_FOLDER = "submitit"
@@ -49,7 +49,9 @@ class AgentTask:
         for name in self.signals:
             signal.signal(getattr(signal, f"SIG{name}"), lambda signum, _frame: proc.send_signal(signum))
         rc = proc.wait()
-        if os.environ.get("SLURM_PROCID", "0") == "0":
+        from hpcelastic.env.slurm import task_rank
+
+        if task_rank(os.environ) == 0:
             rc = subprocess.call([*self.finalize_argv, "--exit-code", str(rc)], env=env)
         if rc != 0:
             raise AgentFailed(rc)
@@ -115,9 +117,9 @@ class SubmititBackend:
         return executor
 
     def _task(self, request: JobRequest) -> AgentTask:
-        spec = request.spec
-        signals = tuple(dict.fromkeys((spec.signal, "TERM")))
-        return AgentTask(request.agent_argv, request.finalize_argv, request.env, signals)
+        return AgentTask(
+            request.agent_argv, request.finalize_argv, request.env, trapped_signals(request.spec)
+        )
 
     def preview(self, request: JobRequest) -> str:
         """The batch script submitit would write (its job folder inside the run directory)."""

@@ -220,7 +220,7 @@ def test_scontrol_failing_during_requeue_falls_back_to_resubmit(
     assert named(evs, "requeue_failed")[0]["fallback"] == "resubmit"
     assert resub["dependency"] == f"afterany:{job}"
     story = finished_ok(tmp_path, str(resub["job_id"]), run)
-    assert story["current_job_id"] == str(resub["job_id"])
+    assert story["latest_job_id"] == str(resub["job_id"])
     assert len(named(events(run), "resubmitted")) == 1  # submitted once, not twice
 
 

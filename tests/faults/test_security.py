@@ -85,7 +85,7 @@ class Plane:
             "phase": st.phase,
             "round": st.round,
             "restart_count": st.restart_count,
-            "events": self.run_dir.events(),
+            "events": list(self.run_dir.events()),
         }
 
     def events(self, name: str) -> list[dict[str, Any]]:
@@ -227,6 +227,18 @@ def test_frame_replayed_on_the_same_connection_is_rejected(plane: Plane) -> None
     [lost] = plane.events("node_lost")
     assert lost["node_rank"] == 1 and "authentication failed" in lost["reason"]
     assert plane.state()["members"] == [m for m in members_before if m != 1]
+    assert plane.state()["phase"] == "rendezvous" and plane.state()["round"] == -1
+
+
+def test_malformed_message_from_an_authenticated_agent_is_rejected(plane: Plane) -> None:
+    """A type the coordinator does not know is ignored; a known one with bad fields closes the connection."""
+    tap, session = plane.taps[1], plane.sessions[1]
+    tap.sendall(session.encode({"t": "some-future-type", "x": 1}))
+    tap.sendall(session.encode({"t": "failed", "round": 0, "failures": ["not an object"]}))
+    reply = rejection(tap.sock)
+    assert reply["auth"] is False and "malformed 'failed' message" in reply["error"]
+    [lost] = plane.events("node_lost")
+    assert lost["node_rank"] == 1 and "malformed" in lost["reason"]
     assert plane.state()["phase"] == "rendezvous" and plane.state()["round"] == -1
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcelastic.events import EventLog
+from hpcelastic.lifecycle.history import requeue_counts
+from hpcelastic.reasons import RequeueCounter
 from tests.slurm_utils import (
     REPO,
     events,
@@ -48,7 +51,7 @@ def test_worker_killed_restarts_all_four_nodes_same_model(tmp_path: Path, slurm_
     assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
     story = status_json(str(run))
-    assert story["current_job_id"] == job
+    assert story["latest_job_id"] == job
 
 
 def test_agent_killed_elastic_job_finishes_on_three_nodes(tmp_path: Path, slurm_jobs: list[str]) -> None:
@@ -89,8 +92,7 @@ def test_crash_loop_spends_budget_then_requeues_once_and_resumes(
     assert requeued["reason"] == "restarts_exhausted" and requeued["job_id"] == job
     resumed = [e for e in named(evs, "checkpoint_published") if e["attempt"] == 1]
     assert resumed and min(e["step"] for e in resumed) == 15  # attempt 1 started from step 10
-    handoff = json.loads((run / "handoff.json").read_text())
-    assert handoff["requeues"]["failure"] == 1
+    assert requeue_counts(EventLog(evs))[RequeueCounter.FAILURE] == 1
     assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
     story = status_json(job)
@@ -111,8 +113,8 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(tmp_path: Path, slur
     evs = events(run)
     (requeued,) = named(evs, "requeued")
     assert requeued["reason"] == "preempted"
-    handoff = json.loads((run / "handoff.json").read_text())
-    assert handoff["requeues"]["failure"] == 0 and handoff["requeues"]["preempted"] == 1
+    counts = requeue_counts(EventLog(evs))
+    assert counts[RequeueCounter.FAILURE] == 0 and counts[RequeueCounter.PREEMPTED] == 1
     assert not named(evs, "restarting")
     assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
@@ -160,4 +162,4 @@ def test_resubmit_mode_chains_a_new_job_that_resumes(tmp_path: Path, slurm_jobs:
     assert [e["job_id"] for e in named(evs, "attempt_started")] == [job, second]
     assert final_digest(tmp_path) == reference_digest()
     assert not wait_no_leaks(str(run))
-    assert status_json(str(run))["current_job_id"] == second
+    assert status_json(str(run))["latest_job_id"] == second

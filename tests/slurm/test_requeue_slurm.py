@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from hpcelastic import handoff
+from hpcelastic import events, handoff
 from hpcelastic.jobs import slurm
-from hpcelastic.requeue import RequeuePolicy
+from hpcelastic.lifecycle.executor import Executor, Outcome
+from hpcelastic.lifecycle.history import requeue_counts
+from hpcelastic.lifecycle.policy import AttemptEnd, Settings
+from hpcelastic.reasons import Reason, RequeueCounter
 from hpcelastic.rundir import RunDir
 from hpcelastic.runindex import lookup, record_job
 
@@ -45,7 +48,7 @@ def submitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Calla
         rd = RunDir.create(tmp_path / name)
         rd.script_path.write_text(SCRIPT.format(run=rd.path))
         job_id = slurm.sbatch(rd.script_path, list(extra), cwd=rd.path)
-        rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+        _submitted_event(rd, job_id)
         record_job(job_id, rd.path)
         runs.append(rd)
         return rd, job_id
@@ -54,6 +57,26 @@ def submitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Calla
     for rd in runs:
         for jid in rd.job_ids():
             subprocess.run(["scancel", jid], capture_output=True, check=False)
+
+
+def conclude(
+    rd: RunDir,
+    attempt: int,
+    reason: str,
+    exit_code: int,
+    bad_nodes: list[str],
+    job_id: str,
+    *,
+    mode: str = "requeue",
+    max_requeues: int = 2,
+) -> Outcome:
+    """End ``attempt`` through the lifecycle executor, quietly."""
+    end = AttemptEnd(attempt, Reason(reason), exit_code, job_id, tuple(bad_nodes))
+    return Executor(say=lambda m: None).conclude(rd, end, Settings.parse(mode, max_requeues))
+
+
+def _submitted_event(rd: RunDir, job_id: str) -> None:
+    rd.record(events.submitted(job_id=job_id, backend="sbatch", nodes="1", script=str(rd.script_path)))
 
 
 def wait_for(job_id: str, ok: Callable[[dict[str, str]], bool], timeout: float = 60.0) -> dict[str, str]:
@@ -80,19 +103,17 @@ def start_attempt(rd: RunDir, job_id: str) -> tuple[int, str]:
 def test_requeue_excludes_the_bad_node_and_decides_once(submitted) -> None:  # type: ignore[no-untyped-def]
     rd, job_id = submitted()
     attempt, node = start_attempt(rd, job_id)
-    policy = RequeuePolicy("requeue", 2, say=lambda m: None)
-
-    out = policy.decide(rd, attempt, "node_unhealthy", 7, [node], job_id)
-    again = policy.decide(rd, attempt, "restarts_exhausted", 3, [], job_id)
+    out = conclude(rd, attempt, "node_unhealthy", 7, [node], job_id)
+    again = conclude(rd, attempt, "restarts_exhausted", 3, [], job_id)
 
     assert (out.action, out.job_id, out.next_attempt) == ("requeued", job_id, attempt + 1)
     assert again.action == "already_decided" and again.reason == "node_unhealthy"
     info = wait_for(job_id, lambda i: i["JobState"] in ("PENDING", "REQUEUED"), timeout=30)  # once killed
     assert info["Restarts"] == "1"  # requeued exactly once
     assert node in info["ExcNodeList"]
-    events = [e for e in rd.events() if e["event"] == "requeued"]
-    assert len(events) == 1 and events[0]["exclude"] == [node] and events[0]["note"] is None
-    assert handoff.load(rd).requeues["node_unhealthy"] == 1
+    requeued = [e for e in rd.events() if e["event"] == "requeued"]
+    assert len(requeued) == 1 and requeued[0]["exclude"] == [node] and requeued[0]["note"] is None
+    assert requeue_counts(rd.events())[RequeueCounter.NODE_UNHEALTHY] == 1
 
     back = wait_for(job_id, running, timeout=90)  # after BeginTime the job starts again, elsewhere
     assert back["NodeList"] != node
@@ -103,9 +124,7 @@ def test_resubmit_mode_chains_a_new_job_then_status_and_cancel(submitted) -> Non
     rd, job_id = submitted()
     attempt, _ = start_attempt(rd, job_id)
 
-    out = RequeuePolicy("resubmit", 2, say=lambda m: None).decide(
-        rd, attempt, "restarts_exhausted", 3, ["node3"], job_id
-    )
+    out = conclude(rd, attempt, "restarts_exhausted", 3, ["node3"], job_id, mode="resubmit")
 
     assert out.action == "resubmitted" and out.job_id and out.job_id != job_id
     new = slurm.show_job(out.job_id)
@@ -113,7 +132,7 @@ def test_resubmit_mode_chains_a_new_job_then_status_and_cancel(submitted) -> Non
     assert new["Dependency"].startswith(f"afterany:{job_id}")
     assert new["ExcNodeList"] == "node3"
     assert slurm.show_job(job_id)["Restarts"] == "0"  # the old job was not requeued as well
-    assert rd.current_job_id() == out.job_id and lookup(out.job_id) == rd.path
+    assert rd.latest_job_id() == out.job_id and lookup(out.job_id) == rd.path
     assert [e["event"] for e in rd.events()].count("resubmitted") == 1
 
     env = {**os.environ}
@@ -125,7 +144,7 @@ def test_resubmit_mode_chains_a_new_job_then_status_and_cancel(submitted) -> Non
     )
     assert status.returncode == 0, status.stderr
     data = json.loads(status.stdout)
-    assert data["current_job_id"] == out.job_id and data["slurm_error"] is None
+    assert data["latest_job_id"] == out.job_id and data["slurm_error"] is None
     assert data["slurm"][out.job_id]["state"] == "PENDING" and data["slurm"][job_id]["state"] == "RUNNING"
     assert "resubmitted as attempt 1" in [r["what"] for r in data["timeline"]]
 
@@ -143,13 +162,18 @@ def test_unrequeueable_job_falls_back_to_resubmit(submitted) -> None:  # type: i
     rd, job_id = submitted("norequeue", "--no-requeue")
     attempt, _ = start_attempt(rd, job_id)
 
-    out = RequeuePolicy("requeue", 2, say=lambda m: None).decide(rd, attempt, "preempted", 5, [], job_id)
+    out = conclude(rd, attempt, "preempted", 5, [], job_id)
 
     assert out.action == "resubmitted" and out.exit_code == 5
     failed = [e for e in rd.events() if e["event"] == "requeue_failed"]
     assert len(failed) == 1 and failed[0]["fallback"] == "resubmit"
     assert slurm.show_job(out.job_id)["Dependency"].startswith(f"afterany:{job_id}")
-    assert handoff.load(rd).requeues == {"failure": 0, "preempted": 1, "time_limit": 0, "node_unhealthy": 0}
+    assert requeue_counts(rd.events()) == {
+        RequeueCounter.FAILURE: 0,
+        RequeueCounter.PREEMPTED: 1,
+        RequeueCounter.TIME_LIMIT: 0,
+        RequeueCounter.NODE_UNHEALTHY: 0,
+    }
 
 
 def test_array_task_is_requeued_alone(submitted) -> None:  # type: ignore[no-untyped-def]
@@ -157,7 +181,7 @@ def test_array_task_is_requeued_alone(submitted) -> None:  # type: ignore[no-unt
     task = f"{array_id}_1"
     attempt, _ = start_attempt(rd, task)
 
-    out = RequeuePolicy("requeue", 2, say=lambda m: None).decide(rd, attempt, "time_limit", 5, [], task)
+    out = conclude(rd, attempt, "time_limit", 5, [], task)
 
     assert out.action == "requeued"
     assert slurm.show_job(task)["Restarts"] == "1"
@@ -177,7 +201,7 @@ def test_status_and_cancel_of_a_running_job(submitted) -> None:  # type: ignore[
     )
     wait_for(job_id, lambda i: i["JobState"] == "CANCELLED", timeout=30)
     # a decision racing with the cancel must not bring the job back
-    outcome = RequeuePolicy(say=lambda m: None).decide(rd, 0, "preempted", 5, [], job_id)
+    outcome = conclude(rd, 0, "preempted", 5, [], job_id, max_requeues=3)
     assert outcome.action == "skipped" and slurm.show_job(job_id)["JobState"] == "CANCELLED"
 
 
@@ -189,11 +213,15 @@ IN_JOB = """#!/bin/bash
 #SBATCH --output={run}/slurm-%j.out
 if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
   {python} -c '
+import os
 from hpcelastic import handoff
-from hpcelastic.requeue import RequeuePolicy, current_job_id
-job = current_job_id()
+from hpcelastic.env.slurm import job_id
+from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.reasons import Reason
+from hpcelastic.rundir import RunDir
+job = job_id(os.environ)
 attempt = handoff.begin_attempt("{run}", job, 0)
-RequeuePolicy("requeue", 2).decide("{run}", attempt, "time_limit", 5, [], job)
+end_attempt(RunDir("{run}"), attempt, Reason.TIME_LIMIT, job_id=job, requeue_mode="requeue", max_requeues=2)
 '
 fi
 sleep 600
@@ -206,7 +234,7 @@ def test_decision_taken_inside_the_job_survives_its_own_requeue(submitted, tmp_p
     subprocess.run(["scancel", job_id], check=True)
     rd.script_path.write_text(IN_JOB.format(run=rd.path, python=sys.executable))
     job_id = slurm.sbatch(rd.script_path, [], cwd=rd.path)
-    rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+    _submitted_event(rd, job_id)
 
     info = wait_for(job_id, lambda i: i["Restarts"] == "1" and i["JobState"] == "RUNNING", timeout=90)
 
@@ -214,7 +242,7 @@ def test_decision_taken_inside_the_job_survives_its_own_requeue(submitted, tmp_p
     assert kinds.count("requeued") == 1 and kinds.count("attempt_ended") == 1
     requeued = next(e for e in rd.events() if e["event"] == "requeued")
     assert requeued["attempt"] == 1 and requeued["reason"] == "time_limit" and requeued["duration_s"] >= 0
-    assert handoff.load(rd).requeues["time_limit"] == 1
+    assert requeue_counts(rd.events())[RequeueCounter.TIME_LIMIT] == 1
     assert handoff.begin_attempt(rd, job_id, int(info["Restarts"])) == 1
 
 
@@ -239,14 +267,14 @@ def test_finalize_requeues_when_no_agent_decided(submitted) -> None:  # type: ig
     subprocess.run(["scancel", job_id], check=True)
     rd.script_path.write_text(FINALIZE.format(run=rd.path, python=sys.executable))
     job_id = slurm.sbatch(rd.script_path, [], cwd=rd.path)
-    rd.append_event("submitted", job_id=job_id, backend="sbatch", nodes=1, script=str(rd.script_path))
+    _submitted_event(rd, job_id)
 
     wait_for(job_id, lambda i: i["Restarts"] == "1" and i["JobState"] == "RUNNING", timeout=90)
 
-    events = rd.events()
-    started = [e for e in events if e["event"] == "attempt_started"]
+    log = rd.events()
+    started = [e for e in log if e["event"] == "attempt_started"]
     assert [(e["attempt"], e["job_id"]) for e in started] == [(0, job_id)]
-    ended = [e for e in events if e["event"] == "attempt_ended"]
+    ended = [e for e in log if e["event"] == "attempt_ended"]
     assert len(ended) == 1 and ended[0]["reason"] == "coordinator_lost" and ended[0]["exit_code"] == 6
-    assert [e["event"] for e in events].count("requeued") == 1
-    assert handoff.load(rd).requeues["failure"] == 1
+    assert [e["event"] for e in log].count("requeued") == 1
+    assert requeue_counts(rd.events())[RequeueCounter.FAILURE] == 1

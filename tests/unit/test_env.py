@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcelastic.env import LocalEnvironment, MPIEnvironment, SlurmEnvironment, detect_environment
+from hpcelastic.env import slurm as slurm_env
 from hpcelastic.env.base import BootstrapOptions, parse_endpoint, visible_gpus
 from hpcelastic.env.slurm import derived_port
 from hpcelastic.errors import UserError
@@ -111,3 +112,80 @@ def test_visible_gpus() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) == ()
     assert visible_gpus({}) == ()
+
+
+def test_slurm_facts_come_from_one_table() -> None:
+    facts = slurm_env.read({**SRUN, "SLURM_STEP_GPUS": "4,5,6,7", "SLURM_JOBID": "1"})
+    assert (facts.job_id, facts.node_id, facts.step_num_nodes, facts.restart_count) == ("4242", 2, 4, 1)
+    assert (facts.gpus_on_node, facts.step_gpus, facts.array_job_id) == (4, "4,5,6,7", None)
+    assert slurm_env.read({"SLURM_JOBID": "7"}).job_id == "7"  # the older spelling, as a fallback
+    with pytest.raises(UserError, match="SLURM_NODEID='٣' is not an integer"):
+        slurm_env.read({**SRUN, "SLURM_NODEID": "٣"})
+
+
+def test_slurm_context_job_id_is_the_array_aware_one() -> None:
+    ctx = SlurmEnvironment({**SRUN, "SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3"}).context()
+    assert (
+        ctx.job_id == slurm_env.job_id({"SLURM_ARRAY_JOB_ID": "4200", "SLURM_ARRAY_TASK_ID": "3"}) == "4200_3"
+    )
+
+
+def test_slurm_restart_count_is_strict_in_the_context_and_lenient_alone() -> None:
+    with pytest.raises(UserError, match="SLURM_RESTART_COUNT='x' is not an integer"):
+        SlurmEnvironment({**SRUN, "SLURM_RESTART_COUNT": "x"}).context()
+    assert slurm_env.restart_count({"SLURM_RESTART_COUNT": "x"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "nvml"),
+    [
+        ({"SLURM_STEP_GPUS": "4,5,6,7", "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"}, ("4", "5", "6", "7")),
+        ({"SLURM_JOB_GPUS": "2,3,4,5"}, ("2", "3", "4", "5")),
+        ({"SLURM_STEP_GPUS": "4,5"}, ("0", "1", "2", "3")),  # counts disagree: the visible ids
+        ({}, ("0", "1", "2", "3")),
+    ],
+)
+def test_slurm_nvml_gpu_ids(extra: dict[str, str], nvml: tuple[str, ...]) -> None:
+    ctx = SlurmEnvironment({**SRUN, **extra}).context()
+    assert (ctx.gpus, ctx.nvml_gpu_ids) == (("0", "1", "2", "3"), nvml)
+
+
+def test_other_environments_report_the_visible_ids_to_nvml() -> None:
+    ctx = LocalEnvironment({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_STEP_GPUS": "6,7"}).context()
+    assert ctx.nvml_gpu_ids == ctx.gpus == ("2", "3")
+
+
+def test_mpi_job_id_is_slurms_array_aware_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Comm:
+        def Get_rank(self) -> int:
+            return 0
+
+        def Get_size(self) -> int:
+            return 1
+
+    monkeypatch.setattr("hpcelastic.env.mpi._comm", lambda: Comm())
+    monkeypatch.setattr("hpcelastic.env.mpi.allgather_hostnames", lambda comm, name: ("h0",))
+    environ = {"OMPI_COMM_WORLD_SIZE": "1", "SLURM_ARRAY_JOB_ID": "9", "SLURM_ARRAY_TASK_ID": "1"}
+    ctx = MPIEnvironment({**environ, "SLURM_JOB_ID": "12", "SLURM_RESTART_COUNT": "2"}).context()
+    assert (ctx.job_id, ctx.restart_count) == ("9_1", 2)
+
+
+def test_worker_environ_drops_open_mpi_and_mpich_launcher_variables() -> None:
+    launcher = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "PMIX_RANK": "1",
+        "PMI_RANK": "1",
+        "PMI_SIZE": "2",
+        "HYDRA_CONTROL_FD": "9",
+        "MPI_LOCALRANKID": "0",
+        "MPI_LOCALNRANKS": "1",
+        "HPCELASTIC_LOCAL_NODE_RANK": "0",
+        "HPCELASTIC_COORDINATOR_FD": "5",
+    }
+    kept = {"PATH": "/bin", "NCCL_DEBUG": "INFO", "SLURM_JOB_ID": "3", "MPI_HOME": "/opt/mpi"}
+    assert LocalEnvironment({**launcher, **kept}).worker_environ() == kept
+
+
+def test_task_rank() -> None:
+    assert slurm_env.task_rank({"SLURM_PROCID": "3"}) == 3
+    assert slurm_env.task_rank({}) == slurm_env.task_rank({"SLURM_PROCID": "x"}) == 0

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcelastic import handoff
+from hpcelastic import events, handoff
 from hpcelastic.errors import UserError
+from hpcelastic.lifecycle.executor import Executor
+from hpcelastic.lifecycle.policy import AttemptEnd, Settings
+from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
 
 
@@ -90,10 +93,38 @@ def test_publish_into_unusable_checkpoint_dir_is_rejected(rd: RunDir, tmp_path: 
 
 
 def test_attempt_end_is_recorded_once(rd: RunDir) -> None:
-    assert handoff.record_attempt_end(rd, 0, "preempted", 5) is True
-    assert handoff.record_attempt_end(rd, 0, "restarts_exhausted", 3) is False
-    assert handoff.load(rd).last_end["reason"] == "preempted"
-    assert _kinds(rd) == ["attempt_ended"]
+    ex = Executor(say=lambda m: None)
+    first = ex.conclude(rd, AttemptEnd(0, Reason.PREEMPTED, 5, None), Settings())
+    second = ex.conclude(rd, AttemptEnd(0, Reason.RESTARTS_EXHAUSTED, 3, None), Settings())
+    assert (first.action, second.action) == ("skipped", "already_decided")
+    assert rd.events().ended_reason(0) is Reason.PREEMPTED and second.reason is Reason.PREEMPTED
+    assert _kinds(rd).count("attempt_ended") == 1
+
+
+def test_a_record_written_by_an_older_version_still_loads(rd: RunDir) -> None:
+    old = {
+        "version": 1,
+        "attempt": 2,
+        "job_id": "9",
+        "restart_count_slurm": 1,
+        "checkpoint_dir": None,
+        "checkpoint": None,
+        "last_end": {"attempt": 1, "reason": "preempted"},
+        "requeues": {"failure": 1},
+        "bad_nodes": ["node3"],
+    }
+    rd.handoff_path.write_text(json.dumps(old))
+    rec = handoff.load(rd)
+    assert (rec.attempt, rec.job_id, rec.restart_count_slurm) == (2, "9", 1)
+    assert "handoff_corrupt" not in _kinds(rd)
+    assert set(rec.to_json()) == {
+        "version",
+        "attempt",
+        "job_id",
+        "restart_count_slurm",
+        "checkpoint_dir",
+        "checkpoint",
+    }
 
 
 def test_resume_falls_back_to_older_published_checkpoint(rd: RunDir, tmp_path: Path) -> None:
@@ -118,14 +149,18 @@ def test_corrupt_record_is_rebuilt(rd: RunDir, tmp_path: Path, damage: str) -> N
     handoff.begin_attempt(rd, "7", 1)
     p = _save(ckdir, "step-5.pt")
     handoff.publish(rd, ckdir, p, 5, 1, 0)
-    handoff.record_attempt_end(rd, 1, "time_limit", 5)
+    rd.record(
+        events.attempt_ended(
+            attempt=1, reason=Reason.TIME_LIMIT, exit_code=5, signature=None, progressed=True
+        )
+    )
     rd.handoff_path.write_text(damage)
 
     rec = handoff.load(rd)
 
     assert rec.attempt == 1 and rec.job_id == "7" and rec.restart_count_slurm == 1
     assert rec.checkpoint["path"] == str(p) and rec.checkpoint["step"] == 5
-    assert rec.last_end["reason"] == "time_limit"
+    assert rd.events().ended_reason(1) is Reason.TIME_LIMIT
     corrupt = [e for e in rd.events() if e["event"] == "handoff_corrupt"]
     assert len(corrupt) == 1 and corrupt[0]["recovered_checkpoint"] == str(p)
     handoff.HandoffRecord.from_json(json.loads(rd.handoff_path.read_text()))  # rewritten, valid again

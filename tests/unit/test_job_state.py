@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from hpcelastic.agent.job_state import Action, JobState
+from hpcelastic.agent import messages
+from hpcelastic.agent.job_state import Action, JobState, Phase, Record, Send
+from hpcelastic.reasons import Reason, RestartCause
 
 
 class Clock:
@@ -31,12 +33,12 @@ def make(
     )
 
 
-def sends(actions: list[Action], t: str) -> dict[int, dict[str, Any]]:
-    return {a.node_rank: a.data for a in actions if a.kind == "send" and a.data["t"] == t}
+def sends(actions: list[Action], t: str) -> dict[int, Any]:
+    return {a.node_rank: a.message for a in actions if isinstance(a, Send) and t == a.message.TAG}
 
 
 def events(actions: list[Action], name: str) -> list[dict[str, Any]]:
-    return [a.data for a in actions if a.kind == "event" and a.name == name]
+    return [a.event.fields for a in actions if isinstance(a, Record) and a.event.name == name]
 
 
 def join_all(st: JobState, nproc: int = 2) -> list[Action]:
@@ -72,8 +74,8 @@ def test_first_round_starts_when_every_node_joined() -> None:
     acts = st.join(1, "n1", 2)
     rounds = sends(acts, "round")
     assert sorted(rounds) == [0, 1, 2]
-    assert [rounds[i]["rank_offset"] for i in range(3)] == [0, 2, 4]
-    assert {r["world_size"] for r in rounds.values()} == {6}
+    assert [rounds[i].rank_offset for i in range(3)] == [0, 2, 4]
+    assert {r.world_size for r in rounds.values()} == {6}
     assert events(acts, "rendezvous")[0]["hosts"] == ["n0", "n1", "n2"]
 
 
@@ -87,8 +89,8 @@ def test_failure_stops_all_then_restarts_everywhere_with_new_count_and_port() ->
     acts = st.workers_stopped(2, 0, [])
     again = sends(acts, "round")
     assert sorted(again) == [0, 1, 2]
-    assert again[0]["restart_count"] == 1 and again[0]["round"] == 1
-    assert again[0]["master_port"] != first["master_port"]
+    assert again[0].restart_count == 1 and again[0].round == 1
+    assert again[0].master_port != first.master_port
     assert events(acts, "restarting")[0]["restart_count"] == 1
 
 
@@ -111,8 +113,8 @@ def test_budget_is_job_wide_and_exhaustion_finishes_every_agent() -> None:
         acts = stop_all(st, [0, 1], rnd)
     finish = sends(acts, "finish")
     assert sorted(finish) == [0, 1]
-    assert {f["exit_code"] for f in finish.values()} == {3}
-    assert finish[0]["reason"] == "restarts_exhausted"
+    assert {f.exit_code for f in finish.values()} == {3}
+    assert finish[0].reason == "restarts_exhausted"
     assert st.restart_count == 1
 
 
@@ -125,9 +127,9 @@ def test_node_loss_continues_on_survivors_with_ranks_repacked() -> None:
     acts = stop_all(st, [0, 2, 3], 0)
     rounds = sends(acts, "round")
     assert sorted(rounds) == [0, 2, 3]
-    assert [rounds[n]["group_rank"] for n in (0, 2, 3)] == [0, 1, 2]
-    assert [rounds[n]["rank_offset"] for n in (0, 2, 3)] == [0, 2, 4]
-    assert rounds[0]["world_size"] == 6 and rounds[0]["group_world_size"] == 3
+    assert [rounds[n].group_rank for n in (0, 2, 3)] == [0, 1, 2]
+    assert [rounds[n].rank_offset for n in (0, 2, 3)] == [0, 2, 4]
+    assert rounds[0].world_size == 6 and rounds[0].group_world_size == 3
     assert events(acts, "root_cause")[0]["error"].startswith("node lost")
 
 
@@ -136,7 +138,7 @@ def test_too_few_nodes_finishes_with_code_4() -> None:
     join_all(st)
     st.lost(1, "no heartbeat")
     acts = st.workers_stopped(0, 0, [])
-    assert sends(acts, "finish")[0]["exit_code"] == 4
+    assert sends(acts, "finish")[0].exit_code == 4
 
 
 def test_exit_barrier_waits_for_every_node() -> None:
@@ -144,7 +146,7 @@ def test_exit_barrier_waits_for_every_node() -> None:
     join_all(st)
     assert st.workers_done(0, 0) == [] and st.workers_done(2, 0) == []
     finish = sends(st.workers_done(1, 0), "finish")
-    assert {f["exit_code"] for f in finish.values()} == {0}
+    assert {f.exit_code for f in finish.values()} == {0}
 
 
 def test_preemption_stops_everyone_without_using_the_budget() -> None:
@@ -153,7 +155,7 @@ def test_preemption_stops_everyone_without_using_the_budget() -> None:
     acts = st.preempt(1, "SIGUSR2")
     assert sorted(sends(acts, "preempt")) == [0, 1]
     finish = sends(stop_all(st, [0, 1], 0), "finish")
-    assert finish[0]["exit_code"] == 5 and finish[0]["reason"] == "preempted"
+    assert finish[0].exit_code == 5 and finish[0].reason == "preempted"
     assert st.restart_count == 0
 
 
@@ -163,8 +165,8 @@ def test_rendezvous_timeout_names_the_missing_nodes() -> None:
     st.join(0, "n0", 1)
     clock.t += 61
     finish = sends(st.tick(), "finish")[0]
-    assert finish["exit_code"] == 4
-    assert "1 (n1)" in finish["message"] and "2 (n2)" in finish["message"]
+    assert finish.exit_code == 4
+    assert "1 (n1)" in finish.message and "2 (n2)" in finish.message
 
 
 def test_rendezvous_timeout_goes_on_with_enough_nodes() -> None:
@@ -203,4 +205,18 @@ def test_coordinator_node_unhealthy_ends_the_attempt() -> None:
     join_all(st)
     st.lost(0, "node unhealthy: Xid 79", unhealthy=True)
     finish = sends(stop_all(st, [1, 2], 0), "finish")
-    assert finish[1]["exit_code"] == 7 and finish[1]["bad_nodes"] == ["n0"]
+    assert finish[1].exit_code == 7 and finish[1].bad_nodes == ("n0",)
+
+
+def test_phases_are_an_enum_and_the_end_is_a_reason() -> None:
+    st = make(2, max_restarts=0)
+    assert st.phase is Phase.RENDEZVOUS
+    join_all(st)
+    assert st.phase is Phase.RUNNING
+    acts = st.worker_failed(0, 0, [failure(0, 1.0)])
+    assert st.phase is Phase.STOPPING
+    assert {m.reason for m in sends(acts, "stop").values()} == {RestartCause.WORKER_FAILED}
+    stop_all(st, [0, 1], 0)
+    assert st.phase is Phase.FINISHED
+    assert st.result == messages.Finish(Reason.RESTARTS_EXHAUSTED, "the job-wide restart budget (0) is spent")
+    assert messages.encode(st.result)["exit_code"] == Reason.RESTARTS_EXHAUSTED.exit_code

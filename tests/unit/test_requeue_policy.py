@@ -1,4 +1,4 @@
-"""The requeue policy's decisions and fault handling, without a Slurm cluster.
+"""The requeue executor's decisions and fault handling, without a Slurm cluster.
 
 The decisions that never reach Slurm (limits, start-up failures, success, cancel, races) run as
 is. The fault paths (slurmctld unreachable, scontrol missing, exclusion refused while running)
@@ -17,8 +17,26 @@ from pathlib import Path
 
 import pytest
 
-from hpcelastic import handoff, requeue
-from hpcelastic.requeue import RequeuePolicy
+from hpcelastic import events, handoff
+from hpcelastic.env.slurm import job_id
+from hpcelastic.events import Event, EventLog, EventName
+from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.lifecycle.cancel import mark_cancelled
+from hpcelastic.lifecycle.classify import classify_stop_signal
+from hpcelastic.lifecycle.executor import Executor, Outcome
+from hpcelastic.lifecycle.history import (
+    History,
+    excluded_nodes,
+    requeue_counts,
+    root_cause_signature,
+)
+from hpcelastic.lifecycle.policy import (
+    MAX_STOPS_WITHOUT_CHECKPOINT,
+    AttemptEnd,
+    Settings,
+    stops_without_checkpoint,
+)
+from hpcelastic.reasons import Reason, RequeueCounter
 from hpcelastic.rundir import RunDir
 
 FAST = (0.01, 0.01, 0.01)
@@ -82,7 +100,7 @@ def rd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunDir:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     r = RunDir.create(tmp_path / "run")
     (r.path / "job.sbatch").write_text("#!/bin/bash\n#SBATCH --requeue\nsleep 60\n")
-    r.append_event("submitted", job_id="123", backend="sbatch", nodes=2, script=str(r.script_path))
+    r.record(events.submitted(job_id="123", backend="sbatch", nodes="2", script=str(r.script_path)))
     handoff.begin_attempt(r, "123", 0, ["node1", "node2"])
     return r
 
@@ -91,19 +109,40 @@ def _kinds(rd: RunDir) -> list[str]:
     return [e["event"] for e in rd.events()]
 
 
-def _quiet() -> RequeuePolicy:
-    return RequeuePolicy("requeue", 2, retry_delays_s=FAST, say=lambda m: None)
+def _quiet() -> Executor:
+    return Executor(retry_delays_s=FAST, say=lambda m: None)
+
+
+def _conclude(
+    rd: RunDir,
+    attempt: int,
+    reason: str,
+    exit_code: int,
+    bad_nodes: list[str],
+    job: str | None,
+    root: dict[str, object] | None = None,
+    *,
+    max_requeues: int = 2,
+    executor: Executor | None = None,
+) -> Outcome:
+    """End ``attempt`` through the executor, as the agent does (the root cause given directly)."""
+    end = AttemptEnd(
+        attempt, Reason(reason), exit_code, job, tuple(bad_nodes), signature=root_cause_signature(root)
+    )
+    return (executor or _quiet()).conclude(rd, end, Settings.parse("requeue", max_requeues))
 
 
 def test_success_needs_no_requeue(rd: RunDir) -> None:
-    out = _quiet().decide(rd, 0, "succeeded", 0, [], "123")
+    out = _conclude(rd, 0, "succeeded", 0, [], "123")
     assert (out.action, out.exit_code) == ("not_needed", 0)
     assert _kinds(rd)[-2:] == ["attempt_ended", "job_succeeded"]
 
 
 def test_requeue_limit_zero_skips_with_a_clear_event(rd: RunDir) -> None:
     msgs: list[str] = []
-    out = RequeuePolicy("requeue", 0, say=msgs.append).decide(rd, 0, "restarts_exhausted", 3, [], "123")
+    out = _conclude(
+        rd, 0, "restarts_exhausted", 3, [], "123", max_requeues=0, executor=Executor(say=msgs.append)
+    )
     assert (out.action, out.exit_code) == ("skipped", 3)
     skipped = [e for e in rd.events() if e["event"] == "requeue_skipped"]
     assert skipped[0]["reason"] == "limit_reached" and "--max-requeues" in skipped[0]["detail"]
@@ -116,11 +155,10 @@ def _root(port: int) -> dict[str, object]:
 
 
 def test_identical_startup_failure_is_not_requeued_twice(rd: RunDir) -> None:
-    pol = _quiet()
-    first = pol.decide(rd, 0, "restarts_exhausted", 3, [], None, _root(29500))
+    first = _conclude(rd, 0, "restarts_exhausted", 3, [], None, _root(29500))
     assert first.action == "skipped"  # no Slurm job id here; the failure's signature is still recorded
     handoff.begin_attempt(rd, "123", 1)
-    second = pol.decide(rd, 1, "restarts_exhausted", 3, [], "123", _root(31044))
+    second = _conclude(rd, 1, "restarts_exhausted", 3, [], "123", _root(31044))
     assert (second.action, second.exit_code, second.reason) == ("skipped", 8, "startup_failure")
     skipped = [e for e in rd.events() if e["event"] == "requeue_skipped"]
     assert skipped[-1]["reason"] == "startup_failure"
@@ -131,8 +169,7 @@ def test_identical_startup_failure_is_not_requeued_twice(rd: RunDir) -> None:
 def test_same_failure_after_progress_is_requeued(
     rd: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pol = _quiet()
-    pol.decide(rd, 0, "restarts_exhausted", 3, [], None, _root(1))
+    _conclude(rd, 0, "restarts_exhausted", 3, [], None, _root(1))
     handoff.begin_attempt(rd, "123", 1)
     ck = tmp_path / "ck"
     ck.mkdir()
@@ -141,13 +178,14 @@ def test_same_failure_after_progress_is_requeued(
     monkeypatch.setenv(
         "PATH", str(tmp_path / "empty")
     )  # no Slurm: the decision must get past the start-up check
-    out = pol.decide(rd, 1, "restarts_exhausted", 3, [], "123", _root(1))
+    out = _conclude(rd, 1, "restarts_exhausted", 3, [], "123", _root(1))
     assert out.reason == "restarts_exhausted" and out.action == "failed"
     assert [e["event"] for e in rd.events()].count("requeue_failed") == 2
 
 
 def _decide_in_child(run: str, q: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    out = RequeuePolicy(say=lambda m: None).decide(run, 0, "succeeded", 0, [], "123")
+    end = AttemptEnd(0, Reason.SUCCEEDED, 0, "123")
+    out = Executor(say=lambda m: None).conclude(RunDir(run), end, Settings())
     q.put(out.action)
 
 
@@ -165,8 +203,8 @@ def test_racing_deciders_decide_once(rd: RunDir) -> None:
 
 
 def test_cancelled_run_is_never_requeued(rd: RunDir) -> None:
-    requeue.mark_cancelled(rd)
-    out = _quiet().decide(rd, 0, "preempted", 5, [], "123")
+    mark_cancelled(rd)
+    out = _conclude(rd, 0, "preempted", 5, [], "123")
     assert out.action == "skipped" and rd.events()[-2]["reason"] == "cancelled"
 
 
@@ -176,9 +214,7 @@ def test_unreachable_slurmctld_retries_then_resubmits(
     log = _fake_bin(
         tmp_path, monkeypatch, {"scontrol": _FAKE_SCONTROL, "sbatch": _FAKE_SBATCH, "squeue": _FAKE_SQUEUE}
     )
-    out = RequeuePolicy("requeue", 0, retry_delays_s=FAST, say=lambda m: None).decide(
-        rd, 0, "preempted", 5, ["node2"], "123"
-    )
+    out = _conclude(rd, 0, "preempted", 5, ["node2"], "123", max_requeues=0)
     assert (out.action, out.job_id, out.next_attempt, out.exit_code) == ("resubmitted", "4242", 1, 5)
     calls = _calls(log)
     requeues = [c for c in calls if c[:2] == ["scontrol", "requeue"]]
@@ -192,9 +228,10 @@ def test_unreachable_slurmctld_retries_then_resubmits(
     res = rd.events()[-1]
     assert res["event"] == "resubmitted" and res["job_id"] == "4242" and res["previous_job_id"] == "123"
     assert res["exclude"] == ["node2"] and res["duration_s"] >= 0
-    assert rd.current_job_id() == "4242"
-    rec = handoff.load(rd)
-    assert rec.requeues["preempted"] == 1 and rec.requeues["failure"] == 0 and rec.bad_nodes == ["node2"]
+    assert rd.latest_job_id() == "4242"
+    counts = requeue_counts(rd.events())
+    assert counts[RequeueCounter.PREEMPTED] == 1 and counts[RequeueCounter.FAILURE] == 0
+    assert excluded_nodes(rd.events()) == ("node2",)
     from hpcelastic.runindex import lookup
 
     assert lookup("4242") == rd.path
@@ -203,8 +240,15 @@ def test_unreachable_slurmctld_retries_then_resubmits(
 def test_no_slurm_commands_at_all(rd: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     msgs: list[str] = []
-    out = RequeuePolicy("requeue", 3, retry_delays_s=FAST, say=msgs.append).decide(
-        rd, 0, "node_unhealthy", 7, ["node1"], "123"
+    out = _conclude(
+        rd,
+        0,
+        "node_unhealthy",
+        7,
+        ["node1"],
+        "123",
+        max_requeues=3,
+        executor=Executor(retry_delays_s=FAST, say=msgs.append),
     )
     assert (out.action, out.exit_code) == ("failed", 7)
     failed = [e for e in rd.events() if e["event"] == "requeue_failed"]
@@ -212,7 +256,7 @@ def test_no_slurm_commands_at_all(rd: RunDir, tmp_path: Path, monkeypatch: pytes
     assert "not found on PATH" in failed[0]["error"]
     assert rd.events()[-1]["event"] == "job_failed" and rd.events()[-1]["reason"] == "requeue_failed"
     assert "sbatch --dependency=afterany:123" in msgs[-1]
-    assert rd.current_job_id() == "123"  # nothing was submitted
+    assert rd.latest_job_id() == "123"  # nothing was submitted
 
 
 def test_bad_nodes_are_excluded_once_the_job_is_pending(
@@ -220,7 +264,7 @@ def test_bad_nodes_are_excluded_once_the_job_is_pending(
 ) -> None:
     log = _fake_bin(tmp_path, monkeypatch, {"scontrol": _FAKE_SCONTROL})
     monkeypatch.setenv("FAKE_SCONTROL", "ok")
-    out = _quiet().decide(rd, 0, "node_unhealthy", 7, ["node2"], "123")
+    out = _conclude(rd, 0, "node_unhealthy", 7, ["node2"], "123")
     assert (out.action, out.job_id, out.next_attempt) == ("requeued", "123", 1)
     verbs = [c[1] for c in _calls(log)]
     assert verbs == ["requeue", "show", "update"]
@@ -229,7 +273,7 @@ def test_bad_nodes_are_excluded_once_the_job_is_pending(
     assert (
         ev["event"] == "requeued" and ev["attempt"] == 1 and ev["exclude"] == ["node2"] and ev["note"] is None
     )
-    assert handoff.load(rd).requeues["node_unhealthy"] == 1
+    assert requeue_counts(rd.events())[RequeueCounter.NODE_UNHEALTHY] == 1
 
 
 def test_classify_stop_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,67 +281,90 @@ def test_classify_stop_signal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("FAKE_SCONTROL", "ok")
     fmt = "%Y-%m-%dT%H:%M:%S"
     monkeypatch.setenv("FAKE_END", time.strftime(fmt, time.localtime(time.time() + 90)))
-    assert requeue.classify_stop_signal("123") == "time_limit"
+    assert classify_stop_signal("123") == "time_limit"
     monkeypatch.setenv("FAKE_END", time.strftime(fmt, time.localtime(time.time() + 7200)))
-    assert requeue.classify_stop_signal("123") == "preempted"
+    assert classify_stop_signal("123") == "preempted"
     monkeypatch.setenv("FAKE_END", time.strftime(fmt, time.localtime(time.time() + 30)))
     monkeypatch.setenv("FAKE_PREEMPT", time.strftime(fmt, time.localtime()))
-    assert requeue.classify_stop_signal("123") == "preempted"
+    assert classify_stop_signal("123") == "preempted"
     monkeypatch.setenv("FAKE_SCONTROL", "unreachable")
-    assert requeue.classify_stop_signal("123") == "preempted"
+    assert classify_stop_signal("123") == "preempted"
 
 
 def test_array_job_id_and_signature() -> None:
     env = {"SLURM_JOB_ID": "501", "SLURM_ARRAY_JOB_ID": "500", "SLURM_ARRAY_TASK_ID": "3"}
-    assert requeue.current_job_id(env) == "500_3"
-    assert requeue.current_job_id({"SLURM_JOB_ID": "77"}) == "77"
-    assert requeue.current_job_id({}) is None
-    assert requeue.root_cause_signature(_root(1)) == requeue.root_cause_signature(_root(2))
+    assert job_id(env) == "500_3"
+    assert job_id({"SLURM_JOB_ID": "77"}) == "77"
+    assert job_id({}) is None
+    assert root_cause_signature(_root(1)) == root_cause_signature(_root(2))
     other = {"exitcode": 1, "error": "SyntaxError: invalid syntax"}
-    assert requeue.root_cause_signature(other) != requeue.root_cause_signature(_root(1))
-    assert requeue.root_cause_signature(None) is None
+    assert root_cause_signature(other) != root_cause_signature(_root(1))
+    assert root_cause_signature(None) is None
 
 
 def test_bad_policy_settings_are_user_errors() -> None:
     from hpcelastic.errors import UserError
 
     with pytest.raises(UserError, match="requeue mode"):
-        RequeuePolicy("sometimes")
+        Settings.parse("sometimes", 3)
     with pytest.raises(UserError, match="max-requeues"):
-        RequeuePolicy("requeue", -1)
+        Settings.parse("requeue", -1)
 
 
 def test_unknown_reason_is_a_programming_error(rd: RunDir) -> None:
-    with pytest.raises(ValueError, match="unknown attempt end reason"):
-        _quiet().decide(rd, 0, "bored", 1, [], "123")
+    assert Reason.parse("bored") is None
+    with pytest.raises(ValueError):
+        Reason("bored")
     assert "attempt_ended" not in _kinds(rd)
     assert not (rd.path / "claims" / "decide-attempt-0").exists()  # a later valid decision still can happen
 
 
 def test_stops_without_checkpoint_counts_the_streak() -> None:
-    from hpcelastic.requeue import stops_without_checkpoint
+    evs = EventLog(
+        [
+            {"event": "attempt_ended", "attempt": 0, "reason": "time_limit"},
+            {"event": "checkpoint_published", "attempt": 0, "step": 5},
+            {"event": "attempt_ended", "attempt": 1, "reason": "time_limit"},
+            {"event": "attempt_ended", "attempt": 2, "reason": "preempted"},
+        ]
+    )
 
-    evs = [
-        {"event": "attempt_ended", "attempt": 0, "reason": "time_limit"},
-        {"event": "checkpoint_published", "attempt": 0, "step": 5},
-        {"event": "attempt_ended", "attempt": 1, "reason": "time_limit"},
-        {"event": "attempt_ended", "attempt": 2, "reason": "preempted"},
-    ]
-    assert stops_without_checkpoint(evs, 3, "time_limit") == 3  # attempts 1, 2, 3; 0 published
-    assert stops_without_checkpoint(evs, 3, "restarts_exhausted") == 0
-    assert stops_without_checkpoint(evs[:2], 1, "preempted") == 1
+    def streak(log: EventLog, attempt: int, reason: Reason) -> int:
+        history = History.from_log(log, attempt, cancelled=False)
+        return stops_without_checkpoint(history, AttemptEnd(attempt, reason, reason.exit_code, "1"))
+
+    assert streak(evs, 3, Reason.TIME_LIMIT) == 3  # attempts 1, 2, 3; 0 published
+    assert streak(evs, 3, Reason.RESTARTS_EXHAUSTED) == 0
+    assert streak(EventLog(evs[:2]), 1, Reason.PREEMPTED) == 1
 
 
-def test_a_job_stopped_again_and_again_without_a_checkpoint_is_not_requeued(tmp_path) -> None:
-    from hpcelastic.requeue import MAX_STOPS_WITHOUT_CHECKPOINT, RequeuePolicy
-    from hpcelastic.rundir import RunDir
-
+def test_a_job_stopped_again_and_again_without_a_checkpoint_is_not_requeued(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
     for k in range(MAX_STOPS_WITHOUT_CHECKPOINT - 1):
-        rd.append_event("attempt_ended", attempt=k, reason="time_limit", exit_code=5)
-    out = RequeuePolicy("requeue", 3).decide(
-        rd, MAX_STOPS_WITHOUT_CHECKPOINT - 1, "time_limit", 5, [], "4242"
-    )
+        rd.record(Event(EventName.ATTEMPT_ENDED, {"attempt": k, "reason": "time_limit", "exit_code": 5}))
+    out = _conclude(rd, MAX_STOPS_WITHOUT_CHECKPOINT - 1, "time_limit", 5, [], "4242", max_requeues=3)
     assert out.action == "skipped"
     skipped = [e for e in rd.events() if e["event"] == "requeue_skipped"]
     assert skipped[-1]["reason"] == "no_progress" and "--time" in skipped[-1]["detail"]
+
+
+def test_end_attempt_reads_the_root_cause_from_the_event_log(rd: RunDir) -> None:
+    """Two attempts failing alike at start-up: end_attempt finds each root cause in the log itself."""
+    failure = {"round": 0, "rank": 0, "local_rank": 0, "node_rank": 0, "node": "node1", "exitcode": 1}
+    for attempt, port in ((0, 29500), (1, 31044)):
+        if attempt:
+            handoff.begin_attempt(rd, "123", attempt)
+        err = {**failure, "error": f"ConnectionError: refused port {port}"}
+        rd.record(events.root_cause(err, traceback="", exit_ts=None))
+        out = end_attempt(
+            rd,
+            attempt,
+            Reason.RESTARTS_EXHAUSTED,
+            job_id=None if attempt == 0 else "123",
+            requeue_mode="requeue",
+            max_requeues=2,
+            executor=_quiet(),
+        )
+    assert out.exit_code == Reason.STARTUP_FAILURE.exit_code
+    ended = rd.events().of(events.ATTEMPT_ENDED)
+    assert ended[0]["signature"] is not None and ended[0]["signature"] == ended[1]["signature"]

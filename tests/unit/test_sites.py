@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpcelastic import sites
+from hpcelastic import parse, sites
 from hpcelastic.cli import cli
 from hpcelastic.errors import UserError
 
@@ -125,14 +125,14 @@ def test_unknown_site_suggests_a_name() -> None:
     [("30", 1800), ("30:15", 1815), ("2:00:00", 7200), ("1-2", 93600), ("1-2:30", 95400), ("1-0:0:5", 86405)],
 )
 def test_parse_time_accepts_slurm_forms(text: str, seconds: int) -> None:
-    assert sites.parse_time(text) == seconds
-    assert sites.parse_time(sites.format_time(seconds)) == seconds
+    assert parse.parse_time(text) == seconds
+    assert parse.parse_time(parse.format_time(seconds)) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "0", "1h", "1:2:3:4", "-5", "1-", "a-1"])
 def test_parse_time_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        sites.parse_time(text)
+        parse.parse_time(text)
 
 
 def test_cli_sites_list_show_validate(isolated: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcelastic.events import Event, EventName
 from hpcelastic.rundir import RunDir
 
 
@@ -58,13 +59,13 @@ def test_status_of_unknown_job_id(env: dict[str, str]) -> None:
 
 
 def test_status_by_job_id_via_the_index(env: dict[str, str], run: RunDir) -> None:
-    run.append_event("submitted", job_id="987655", backend="sbatch", nodes=1)
+    run.record(Event(EventName.SUBMITTED, {"job_id": "987655", "backend": "sbatch", "nodes": 1}))
     code = f"from hpcelastic.runindex import record_job; record_job('987655', {str(run.path)!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     out = hpce(env, "status", "987655", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["run_dir"] == str(run.path) and data["current_job_id"] == "987655"
+    assert data["run_dir"] == str(run.path) and data["latest_job_id"] == "987655"
     assert data["timeline"][0]["what"] == "submitted"
     text = hpce(env, "status")  # no argument: the latest recorded run
     assert text.returncode == 0 and str(run.path) in text.stdout
@@ -83,7 +84,7 @@ def test_logs_bad_rank_and_attempt(env: dict[str, str], run: RunDir) -> None:
 
 def test_logs_without_any_logs(env: dict[str, str], tmp_path: Path) -> None:
     rd = RunDir.create(tmp_path / "empty-run")
-    rd.append_event("submitted", job_id="1")
+    rd.record(Event(EventName.SUBMITTED, {"job_id": "1"}))
     assert_one_line_error(hpce(env, "logs", str(rd.path)), "no worker logs yet")
 
 
@@ -98,7 +99,7 @@ def test_logs_follow_stops_when_the_attempt_ends(env: dict[str, str], run: RunDi
     time.sleep(1.0)
     with open(run.rank_log_path(1, 0), "a") as f:
         f.write("more\n")
-    run.append_event("attempt_ended", attempt=1, reason="succeeded", exit_code=0)
+    run.record(Event(EventName.ATTEMPT_ENDED, {"attempt": 1, "reason": "succeeded", "exit_code": 0}))
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert out == "a1 r0\nmore\n"
@@ -108,12 +109,12 @@ def test_logs_follow_stops_when_the_attempt_ends(env: dict[str, str], run: RunDi
 def test_cancel_bad_inputs(env: dict[str, str], tmp_path: Path) -> None:
     assert_one_line_error(hpce(env, "cancel", str(tmp_path / "nope")), "no such run directory")
     rd = RunDir.create(tmp_path / "never-submitted")
-    rd.append_event("attempt_started", attempt=0)
+    rd.record(Event(EventName.ATTEMPT_STARTED, {"attempt": 0}))
     assert_one_line_error(hpce(env, "cancel", str(rd.path)), "never submitted")
 
 
 def test_finalize_after_agent_decision_exits_with_it(env: dict[str, str], run: RunDir) -> None:
-    run.append_event("attempt_ended", attempt=0, reason="restarts_exhausted", exit_code=3)
+    run.record(Event(EventName.ATTEMPT_ENDED, {"attempt": 0, "reason": "restarts_exhausted", "exit_code": 3}))
     out = hpce(env, "finalize", "--run-dir", str(run.path), "--exit-code", "3")
     assert out.returncode == 3
     assert [e["event"] for e in run.events()] == ["attempt_ended"]  # nothing decided twice

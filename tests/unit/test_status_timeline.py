@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcelastic.errors import SlurmError
+from hpcelastic.events import Event, EventName
 from hpcelastic.jobs.slurm import JobState
 from hpcelastic.rundir import RunDir
 from hpcelastic.status import build_status, render_text
@@ -84,7 +85,7 @@ def test_timeline_rows_and_single_slurm_query(rd: RunDir) -> None:
     st = build_status(rd, query)
 
     assert asked == [["11", "12"]]  # one query for every job id of the run
-    assert st.job_ids == ["11", "12"] and st.current_job_id == "12" and st.attempt == 1
+    assert st.job_ids == ["11", "12"] and st.latest_job_id == "12" and st.attempt == 1
     assert st.outcome == "running"
     assert st.checkpoint == {"path": "/c/s20.pt", "step": 20, "attempt": 0, "rank": 0}
     whats = [r.what for r in st.timeline]
@@ -130,9 +131,9 @@ def test_slurm_unreachable_keeps_the_timeline(rd: RunDir) -> None:
 
 def test_finished_run_outcome(tmp_path: Path) -> None:
     r = RunDir.create(tmp_path / "run")
-    r.append_event("submitted", job_id="5")
-    r.append_event("attempt_ended", attempt=0, reason="startup_failure", exit_code=8)
-    r.append_event("job_failed", attempt=0, reason="startup_failure", exit_code=8)
+    r.record(Event(EventName.SUBMITTED, {"job_id": "5"}))
+    r.record(Event(EventName.ATTEMPT_ENDED, {"attempt": 0, "reason": "startup_failure", "exit_code": 8}))
+    r.record(Event(EventName.JOB_FAILED, {"attempt": 0, "reason": "startup_failure", "exit_code": 8}))
     st = build_status(r, lambda ids: {})
     assert st.outcome == "failed (startup_failure)"
     assert "identically before training started" in render_text(st)

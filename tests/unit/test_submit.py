@@ -168,7 +168,7 @@ def test_submission_writes_the_run_directory(workdir: Path) -> None:
     assert meta["nodes"] == "2:2" and meta["script_args"] == ["--lr", "3e-4"] and meta["site"] == "testbed"
     (event,) = run.events()
     assert event["event"] == "submitted" and event["job_id"] == "4242" and event["nodes"] == "2:2"
-    assert run.current_job_id() == "4242"
+    assert run.latest_job_id() == "4242"
     assert (run.path / "checkpoints").is_dir()
 
 

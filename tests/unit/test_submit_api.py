@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import click
 import cloudpickle
 import pytest
 
@@ -127,3 +128,41 @@ def test_api_prepare_matches_cli_defaults(tmp_path: Path) -> None:
     assert spec.signal == "USR1" and spec.signal_lead_s == 100 and dict(spec.env)["K"] == "v"
     assert spec.run_dir.startswith(str(tmp_path / "hpcelastic-runs" / "train-"))
     assert spec.checkpoint_dir == os.path.join(spec.run_dir, "checkpoints")
+
+
+def test_api_keywords_and_cli_flags_are_one_declaration() -> None:
+    from hpcelastic.cli.submit_cmd import submit as submit_cmd
+    from hpcelastic.jobs.options import API_NAMES, SUBMIT_OPTIONS
+
+    flags = {o.name: (tuple(o.opts), o.envvar) for o in submit_cmd.params if isinstance(o, click.Option)}
+    assert set(flags) - {"help"} == {o.name for o in SUBMIT_OPTIONS}
+    assert set(API_NAMES) == {o.name for o in SUBMIT_OPTIONS} - {"dry_run", "json"}
+    # every flag and HPCELASTIC_<OPTION> variable of before the options were declared once
+    assert flags["time"] == (("--time",), "HPCELASTIC_TIME")
+    assert flags["sbatch_args"] == (("--sbatch-arg",), "HPCELASTIC_SBATCH_ARG")
+    assert flags["max_requeues"] == (("--max-requeues",), "HPCELASTIC_MAX_REQUEUES")
+    assert flags["module"] == (("-m", "--module"), "HPCELASTIC_MODULE")
+    assert flags["json"] == (("--json",), "HPCELASTIC_JSON")
+    for name, key in sites.option_keys().items():
+        assert name in flags, key
+
+
+def test_api_misspelt_option_is_a_type_error_with_a_hint() -> None:
+    with pytest.raises(TypeError, match="unknown submit option 'gpu_per_node'; did you mean 'gpus_per_node'"):
+        api.prepare("train.py", gpu_per_node=2)
+    with pytest.raises(TypeError, match="'dry_run'"):
+        api.prepare("train.py", dry_run=True)
+
+
+def test_api_and_cli_take_their_defaults_from_the_schema(tmp_path: Path) -> None:
+    (tmp_path / "site.yaml").write_text("description: empty\n")
+    spec = api.prepare("train.py", site=str(tmp_path / "site.yaml"))
+    assert (spec.max_requeues, spec.max_restarts) == (
+        sites.default("requeue.max_requeues"),
+        sites.default("max_restarts"),
+    )
+    assert (spec.signal, spec.signal_lead_s) == (
+        sites.default("signal.name"),
+        sites.default("signal.lead_time"),
+    )
+    assert (spec.nodes_min, spec.nodes_max, spec.nproc_per_node) == (1, 1, "auto")

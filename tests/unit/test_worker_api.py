@@ -158,13 +158,3 @@ def test_user_signal_handler_is_left_alone() -> None:
     out = _run(code, {"HPCELASTIC_STOP_SIGNAL": "SIGUSR2"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[1]", "False"]
-
-
-def test_parse_signal(worker: ModuleType) -> None:
-    import signal
-
-    assert worker.parse_signal("usr2") == signal.SIGUSR2
-    assert worker.parse_signal("SIGTERM") == signal.SIGTERM
-    assert worker.parse_signal("10") == signal.Signals(10)
-    with pytest.raises(ValueError, match="unknown signal"):
-        worker.parse_signal("NOPE")

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import selectors
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 from hpcelastic.agent.health import GpuHealth
+from hpcelastic.agent.messages import Round
+from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.agent.workers import (
-    RoundInfo,
     WorkerConfig,
+    WorkerGroup,
     read_error_file,
     traceback_from_tail,
     worker_env,
 )
+from hpcelastic.env.base import worker_environ
 from hpcelastic.rundir import RunDir
 
 TORCHRUN_VARS = [
@@ -57,12 +64,20 @@ def config(tmp_path: Path, gpus: tuple[str, ...] = ()) -> WorkerConfig:
         heartbeat_socket="/tmp/hb.sock",
         stop_file=tmp_path / "stop",
         stop_signal="USR2",
-        environ={"PATH": "/bin", "OMPI_COMM_WORLD_RANK": "3", "HPCELASTIC_SECRET": "x", "KEEP": "1"},
+        environ=worker_environ(
+            {
+                "PATH": "/bin",
+                "OMPI_COMM_WORLD_RANK": "3",
+                "MPI_LOCALRANKID": "0",
+                "HPCELASTIC_SECRET": "x",
+                "KEEP": "1",
+            }
+        ),
         node_rank=2,
     )
 
 
-ROUND = RoundInfo(
+ROUND = Round(
     round=2,
     restart_count=1,
     max_restarts=3,
@@ -84,7 +99,9 @@ def test_worker_env_has_the_full_torchrun_contract(tmp_path: Path) -> None:
     assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("1", "3")
     assert env["OMP_NUM_THREADS"] == "1" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
     assert env["HPCELASTIC_ATTEMPT"] == "1" and env["KEEP"] == "1"
-    assert "OMPI_COMM_WORLD_RANK" not in env and "HPCELASTIC_SECRET" not in env
+    assert (
+        "OMPI_COMM_WORLD_RANK" not in env and "MPI_LOCALRANKID" not in env and "HPCELASTIC_SECRET" not in env
+    )
     assert "CUDA_VISIBLE_DEVICES" not in env and "HPCELASTIC_RESUME_FROM" not in env
 
 
@@ -182,3 +199,25 @@ def test_health_reports_lost_gpu_ecc_and_critical_xid_only() -> None:
 def test_health_is_skipped_without_gpus_or_nvml() -> None:
     assert GpuHealth.open(()) is None
     assert GpuHealth.open(("0",)) is None  # this machine has no NVIDIA driver
+
+
+def test_step_progress_outlives_stopping_the_workers(tmp_path: Path) -> None:
+    """The end of an attempt is decided after the workers are stopped: their progress must be kept.
+
+    (The agent used to read the steps of ``group.workers`` after ``stop`` had emptied it, so every
+    attempt looked as if it had made no progress.)
+    """
+    cfg = dataclasses.replace(config(tmp_path), argv=(sys.executable, "-c", "import time; time.sleep(30)"))
+    watchdog, devnull = Watchdog(), os.open(os.devnull, os.O_WRONLY)
+    try:
+        with selectors.DefaultSelector() as sel:
+            group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull)
+            group.start(ROUND)
+            group.beat(ROUND.rank_offset, None)
+            assert not group.progressed
+            group.beat(ROUND.rank_offset + 1, 7)
+            group.stop(1.0)
+    finally:
+        watchdog.close()
+        os.close(devnull)
+    assert group.workers == [] and group.progressed

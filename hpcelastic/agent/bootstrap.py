@@ -1,0 +1,240 @@
+"""Set a node agent up: rendezvous, the coordinator on group rank 0, the connection, the workers' group.
+
+:func:`bootstrap` returns the :class:`~hpcelastic.agent.runtime.NodeRuntime`, or the agent's exit
+code when the attempt already ended (the coordinator could not be reached). Every resource it opens
+is closed by the caller's exit stack, in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import socket
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from hpcelastic import handoff
+from hpcelastic.agent import messages, protocol
+from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
+from hpcelastic.agent.coordinator import Coordinator, PortReservation
+from hpcelastic.agent.health import GpuHealth
+from hpcelastic.agent.job_state import JobState
+from hpcelastic.agent.runtime import RESTART_KILL_GRACE, Inbox, NodeRuntime, Timing, Wake, say
+from hpcelastic.agent.spec import AgentSpec
+from hpcelastic.agent.watchdog import Watchdog
+from hpcelastic.agent.workers import WorkerConfig, WorkerGroup
+from hpcelastic.env import slurm
+from hpcelastic.env.base import Environment, NodeContext, Rendezvous
+from hpcelastic.errors import UserError
+from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.reasons import Reason
+from hpcelastic.rundir import RunDir
+
+
+def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) -> NodeRuntime | int:
+    """Build this node's runtime, registering every clean-up on ``stack``; an exit code if it ended."""
+    timing = Timing.from_environ(os.environ)
+    ctx = env.context()
+    min_nodes = node_range(spec, ctx)[0]
+    nproc = worker_count(spec, ctx)
+    rdzv = env.rendezvous(ctx, spec.rdzv)
+    run_dir = rdzv.run_dir
+    attempt = begin_attempt(run_dir, ctx, env.environ)
+    selector = stack.enter_context(selectors.DefaultSelector())
+    wake = Wake()
+    stack.callback(wake.close)
+    selector.register(wake.r, selectors.EVENT_READ, "wake")
+    coordinator = host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack) if ctx.is_coordinator else None
+    inbox = Inbox(wake)
+    client = CoordinatorClient(
+        "127.0.0.1" if coordinator is not None else rdzv.host,
+        rdzv.port,
+        rdzv.secret,
+        on_message=inbox.post,
+        heartbeat_interval=timing.heartbeat_interval,
+        heartbeat_timeout=timing.heartbeat_timeout,
+    )
+    stack.callback(client.close)
+    hello = messages.Hello(node_rank=ctx.node_rank, host=ctx.host, nproc=nproc, pid=os.getpid())
+    try:
+        client.connect(hello, timeout=spec.rdzv.timeout)
+    except protocol.AuthError as e:
+        raise UserError(
+            f"the coordinator at {rdzv.host}:{rdzv.port} rejected this agent ({e}); every node must read "
+            f"the same secret ({rdzv.run_dir.secret_path} or $HPCELASTIC_SECRET)"
+        ) from None
+    except protocol.ProtocolError as e:
+        raise UserError(f"the coordinator at {rdzv.host}:{rdzv.port} refused this agent: {e}") from None
+    except CoordinatorUnreachable as e:
+        say(ctx.node_rank, str(e))
+        return end_of_attempt(spec, env.environ, run_dir, attempt, Reason.COORDINATOR_LOST, decides=True)
+
+    tmp = stack.enter_context(
+        tempfile.TemporaryDirectory(prefix="hpcelastic-agent-", ignore_cleanup_errors=True)
+    )
+    hb_path = os.path.join(tmp, "hb.sock")
+    heartbeats = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+    heartbeats.bind(hb_path)
+    heartbeats.setblocking(False)
+    selector.register(heartbeats, selectors.EVENT_READ, "hb")
+    checkpoint_dir = spec.checkpoint_dir or run_dir.path / "checkpoints"
+    checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    stop_file = run_dir.path / f"stop-attempt-{attempt}"
+    cfg = WorkerConfig(
+        argv=spec.argv,
+        nproc=nproc,
+        gpus=ctx.gpus,
+        run_dir=run_dir,
+        attempt=attempt,
+        run_id=ctx.job_id or run_dir.path.name,
+        checkpoint_dir=checkpoint_dir,
+        heartbeat_socket=hb_path,
+        stop_file=stop_file,
+        stop_signal=spec.stop_signal.name.removeprefix("SIG"),
+        environ=env.worker_environ(),
+        node_rank=ctx.node_rank,
+    )
+    watchdog = Watchdog()
+    stack.callback(watchdog.close)
+    group = WorkerGroup(cfg, selector, watchdog)
+    stack.callback(group.stop, RESTART_KILL_GRACE)
+    health = GpuHealth.open(ctx.nvml_gpu_ids)
+    if health is not None:
+        stack.callback(health.close)
+    rt = NodeRuntime(
+        spec=spec,
+        environ=env.environ,
+        ctx=ctx,
+        run_dir=run_dir,
+        attempt=attempt,
+        timing=timing,
+        selector=selector,
+        inbox=inbox,
+        client=client,
+        coordinator=coordinator,
+        group=group,
+        heartbeats=heartbeats,
+        stop_file=stop_file,
+        health=health,
+    )
+    install_signals(rt, wake, stack)
+    return rt
+
+
+def node_range(spec: AgentSpec, ctx: NodeContext) -> tuple[int, int]:
+    """The job's node range (``--nodes MIN:MAX``, default: the step's nodes); the step must fit in it."""
+    lo = spec.min_nodes or ctx.num_nodes
+    hi = spec.max_nodes or ctx.num_nodes
+    if ctx.num_nodes > hi:
+        raise UserError(
+            f"{ctx.num_nodes} agents started but --nodes allows at most {hi}; start one agent per node"
+        )
+    if ctx.num_nodes < lo:
+        raise UserError(f"only {ctx.num_nodes} node(s) in this step, fewer than the minimum {lo} of --nodes")
+    return lo, hi
+
+
+def worker_count(spec: AgentSpec, ctx: NodeContext) -> int:
+    """Workers on this node: ``--nproc-per-node``, else one per visible GPU, else one."""
+    nproc = spec.nproc or len(ctx.gpus) or 1
+    if ctx.gpus and nproc > len(ctx.gpus):
+        raise UserError(
+            f"--nproc-per-node {nproc} exceeds the {len(ctx.gpus)} GPU(s) visible to this step; "
+            "ask for more GPUs or run fewer workers"
+        )
+    return nproc
+
+
+def host_coordinator(
+    spec: AgentSpec,
+    ctx: NodeContext,
+    rdzv: Rendezvous,
+    min_nodes: int,
+    timing: Timing,
+    stack: contextlib.ExitStack,
+) -> Coordinator:
+    """Start the job's coordinator on this (group rank 0) node's listening socket."""
+    assert rdzv.listener is not None, "the environment opens the listener on group rank 0"
+    ports = PortReservation()
+    stack.callback(ports.release)
+    state = JobState(
+        hosts=ctx.hosts,
+        min_nodes=min_nodes,
+        max_restarts=spec.max_restarts,
+        master_addr=rdzv.master_addr,
+        new_port=ports.new_port,
+        rdzv_timeout=spec.rdzv.timeout,
+        stop_timeout=max(RESTART_KILL_GRACE, spec.grace_period),
+    )
+    coordinator = Coordinator(
+        rdzv.listener,
+        rdzv.secret,
+        state,
+        rdzv.run_dir,
+        heartbeat_interval=timing.heartbeat_interval,
+        heartbeat_timeout=timing.heartbeat_timeout,
+    )
+    coordinator.start()
+    stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
+    return coordinator
+
+
+def install_signals(rt: NodeRuntime, wake: Wake, stack: contextlib.ExitStack) -> None:
+    """Deliver the stop signal and SIGTERM/SIGINT/SIGHUP to the main loop through the wake pipe."""
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        rt.signals.append(signum)
+
+    signal.set_wakeup_fd(wake.w, warn_on_full_buffer=False)
+    stack.callback(_clear_wakeup_fd)
+    for sig in {rt.spec.stop_signal, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}:
+        signal.signal(sig, on_signal)
+
+
+def _clear_wakeup_fd() -> None:
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+
+
+def end_of_attempt(
+    spec: AgentSpec,
+    environ: Mapping[str, str],
+    run_dir: RunDir,
+    attempt: int,
+    reason: Reason,
+    *,
+    decides: bool,
+    bad_nodes: tuple[str, ...] = (),
+    progressed: bool = False,
+) -> int:
+    """This agent's exit code for an attempt that ended with ``reason``.
+
+    The deciding agent (group rank 0, or with the coordinator gone every survivor: ``end_attempt``
+    lets exactly one of them decide) ends the attempt; the others exit with the reason's code.
+    """
+    if not decides:
+        return reason.exit_code
+    outcome = end_attempt(
+        run_dir,
+        attempt,
+        reason,
+        job_id=slurm.job_id(environ),
+        bad_nodes=bad_nodes,
+        progressed=progressed,
+        requeue_mode=spec.requeue_mode,
+        max_requeues=spec.max_requeues,
+    )
+    return outcome.exit_code
+
+
+def begin_attempt(run_dir: RunDir, ctx: NodeContext, environ: Mapping[str, str]) -> int:
+    """This allocation's attempt number, from the handoff record.
+
+    Every agent calls it; under the record's lock the first caller of a new allocation
+    (job id + Slurm restart count) bumps the number and the others read the same one.
+    """
+    job = slurm.job_id(environ) or f"local-{run_dir.path.name}"
+    return handoff.begin_attempt(run_dir, job, ctx.restart_count, list(ctx.hosts))

@@ -1,0 +1,269 @@
+"""The node agent's main loop: a state machine driven by events (never a polling loop).
+
+RENDEZVOUS -> RUNNING -> RESTARTING (-> RUNNING ...) | STOPPING -> DONE
+
+The main thread owns a selector over: each worker's pidfd (exits), the heartbeat socket (worker
+heartbeats), and one wake-up pipe that both signal delivery and the coordinator client's reader
+thread write to. Workers are spawned only from this thread (their parent-death signal is tied to
+it). Messages from the coordinator go through :func:`hpcelastic.agent.messages.dispatch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import signal
+import time
+
+from hpcelastic import events
+from hpcelastic.agent import messages
+from hpcelastic.agent.bootstrap import end_of_attempt
+from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, NodeRuntime
+from hpcelastic.agent.workers import Worker
+from hpcelastic.events import Event
+from hpcelastic.reasons import Reason
+
+
+class State(enum.Enum):
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    DONE = "done"
+
+
+class NodeLoop:
+    """Runs this node's share of one attempt over a bootstrapped runtime; :meth:`run` gives the exit code."""
+
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
+        self.state = State.RENDEZVOUS
+        self.round: messages.Round | None = None
+        self.reported_round = -1
+        self.preempting = False
+        self.stop_deadline: float | None = None
+        self.exit_code: int | None = None
+        self._handlers: messages.Handlers = {
+            messages.Round: self._on_round,
+            messages.Stop: self._on_stop,
+            messages.Preempt: self._on_preempt,
+            messages.Finish: self._on_finish,
+            messages.Lost: self._on_lost,
+        }
+
+    def run(self) -> int:
+        """Check the GPUs, start listening to the coordinator, run until the attempt ends."""
+        self._check_health()
+        if self.exit_code is None:
+            self.rt.client.start()
+            self._loop()
+        assert self.exit_code is not None
+        return self.exit_code
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        rt, stall_timeout = self.rt, self.rt.spec.stall_timeout
+        next_stall = next_health = time.monotonic()
+        while self.exit_code is None:
+            deadlines = [next_stall] if stall_timeout else []
+            deadlines += [next_health] if rt.health is not None else []
+            deadlines += [self.stop_deadline] if self.stop_deadline is not None else []
+            now = time.monotonic()
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            for key, _mask in rt.selector.select(timeout):
+                if key.data == "wake":
+                    rt.inbox.wake.drain()
+                elif key.data == "hb":
+                    self._read_heartbeats()
+                else:
+                    self._on_worker_exit(key.data[1])
+                if self.exit_code is not None:
+                    break
+            self._drain_signals()
+            self._drain_messages()
+            now = time.monotonic()
+            if stall_timeout and now >= next_stall:
+                next_stall = now + STALL_CHECK_INTERVAL
+                self._check_stalls(stall_timeout)
+            if rt.health is not None and now >= next_health:
+                next_health = now + rt.timing.health_interval
+                self._check_health()
+            if self.stop_deadline is not None and now >= self.stop_deadline:
+                self._finish_preempt_stop()
+
+    def _drain_messages(self) -> None:
+        while self.exit_code is None and (msg := self.rt.inbox.take()) is not None:
+            messages.dispatch(self._handlers, msg)
+
+    # ---- messages from the coordinator ------------------------------------------------------
+    def _on_round(self, msg: messages.Round) -> None:
+        group, client = self.rt.group, self.rt.client
+        if group.running():
+            group.stop(RESTART_KILL_GRACE)
+        self.round = msg
+        if self.preempting:
+            self.reported_round = msg.round
+            client.send(messages.Stopped(msg.round))
+            return
+        self.state = State.RUNNING
+        spawned = group.start(msg)
+        client.send(messages.Started(msg.round, spawned))
+
+    def _on_stop(self, msg: messages.Stop) -> None:
+        if self.round is None or msg.round != self.round.round or self.reported_round == self.round.round:
+            return
+        self._stop_and_report(self.round)
+
+    def _on_preempt(self, msg: messages.Preempt) -> None:
+        self._begin_preempt(msg.signal or self.rt.spec.stop_signal.name, local=False)
+
+    def _on_finish(self, msg: messages.Finish) -> None:
+        self.rt.group.stop(RESTART_KILL_GRACE)
+        self.state = State.DONE
+        if msg.message:
+            self.rt.say(msg.message)
+        self.exit_code = self._end(msg.reason, msg.bad_nodes)
+
+    def _on_lost(self, msg: messages.Lost) -> None:
+        self.rt.group.stop(RESTART_KILL_GRACE)
+        self.state = State.DONE
+        self.rt.say(f"coordinator lost: {msg.reason}; stopping this node's workers")
+        self.exit_code = self._end(Reason.COORDINATOR_LOST)
+
+    # ---- workers ----------------------------------------------------------------------------
+    def _on_worker_exit(self, worker: Worker) -> None:
+        group, client = self.rt.group, self.rt.client
+        code = group.reap(worker)
+        if self.state == State.STOPPING:
+            if not group.running():
+                self._finish_preempt_stop()
+            return
+        if self.state != State.RUNNING or self.round is None:
+            return
+        if code != 0:
+            client.send(messages.Failed(self.round.round, (group.failure(worker),)))
+            self._stop_and_report(self.round)
+        elif not group.running():
+            client.send(messages.Done(self.round.round))
+            self.state = State.RESTARTING  # exit barrier: wait for the coordinator's decision
+
+    def _stop_and_report(self, rnd: messages.Round) -> None:
+        """Stop every local worker, then tell the coordinator this node is stopped for the round."""
+        group = self.rt.group
+        failures = tuple(group.failure(w) for w in group.reap_failed())
+        self.state = State.RESTARTING
+        group.stop(RESTART_KILL_GRACE)
+        self.reported_round = rnd.round
+        self.rt.client.send(messages.Stopped(rnd.round, failures))
+
+    def _check_stalls(self, stall_timeout: float) -> None:
+        if self.state != State.RUNNING or self.round is None:
+            return
+        group = self.rt.group
+        stalled = group.stalled(stall_timeout)
+        if not stalled:
+            return
+        failures = []
+        for w in stalled:
+            w.exit_ts = time.time()
+            error = f"stalled: no heartbeat for more than {stall_timeout:g} s (last step {w.step})"
+            failures.append(group.failure(w, error=error))
+        self.rt.client.send(messages.Failed(self.round.round, tuple(failures)))
+        self._stop_and_report(self.round)
+
+    def _read_heartbeats(self) -> None:
+        while True:
+            try:
+                data = self.rt.heartbeats.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                beat = json.loads(data)
+                step = beat.get("step")
+                self.rt.group.beat(int(beat["rank"]), int(step) if step is not None else None)
+
+    # ---- signals, preemption, health --------------------------------------------------------
+    def _drain_signals(self) -> None:
+        signals = self.rt.signals
+        while signals and self.exit_code is None:
+            signum = signals.pop(0)
+            if signum == self.rt.spec.stop_signal:
+                name = signal.Signals(signum).name
+                self._event(events.signal_received(signal=name, node_rank=self.rt.ctx.node_rank))
+                self._begin_preempt(name, local=True)
+            else:
+                self._terminate(signum)
+
+    def _begin_preempt(self, signame: str, *, local: bool) -> None:
+        rt = self.rt
+        if not self.preempting:
+            self.preempting = True
+            rt.group.signal_all(rt.spec.stop_signal)
+            with contextlib.suppress(OSError):
+                rt.stop_file.touch(mode=0o600)
+            rt.say(f"{signame}: asked the workers to stop (grace {rt.spec.grace_period:g} s)")
+        if local:
+            rt.client.send(messages.PreemptSignal(signame))
+        if self.state in (State.RUNNING, State.RESTARTING) and self.stop_deadline is None:
+            self.state = State.STOPPING
+            self.stop_deadline = time.monotonic() + rt.spec.grace_period
+            if not rt.group.running():
+                self._finish_preempt_stop()
+
+    def _finish_preempt_stop(self) -> None:
+        """Workers are gone (or the grace period is over): report this node stopped."""
+        self.stop_deadline = None
+        self.rt.group.stop(RESTART_KILL_GRACE)
+        rnd = self.round.round if self.round else -1
+        self.reported_round = rnd
+        self.rt.client.send(messages.Stopped(rnd))
+
+    def _terminate(self, signum: int) -> None:
+        """SIGTERM/SIGINT/SIGHUP: stop the workers and leave the job."""
+        name = signal.Signals(signum).name
+        self.rt.say(f"{name}: stopping this node's workers")
+        self.rt.group.stop(min(RESTART_KILL_GRACE, self.rt.spec.grace_period))
+        self.rt.client.send(messages.Leave(f"agent received {name}"))
+        self.state = State.DONE
+        self.exit_code = 128 + signum
+
+    def _check_health(self) -> None:
+        rt = self.rt
+        problems = rt.health.check() if rt.health is not None else []
+        if not problems:
+            return
+        for p in problems:
+            rt.run_dir.record(events.node_unhealthy(node=rt.ctx.host, gpu=p.gpu, reason=p.reason))
+        gpus = ", ".join(f"GPU {p.gpu} ({p.reason})" for p in problems)
+        rt.say(f"unhealthy: {gpus}; this node leaves the job")
+        rt.group.stop(RESTART_KILL_GRACE)
+        rt.client.send(messages.Leave(f"node unhealthy: {problems[0].reason}", unhealthy=True))
+        self.state = State.DONE
+        if rt.coordinator is None:
+            self.exit_code = Reason.NODE_UNHEALTHY.exit_code
+            return
+        # This node hosts the coordinator: wait until it has told the others how the attempt ends.
+        rt.coordinator.finished.wait(timeout=rt.timing.heartbeat_timeout + 2 * rt.spec.grace_period)
+        result = rt.coordinator.state.result
+        self.exit_code = self._end(result.reason if result else Reason.NODE_UNHEALTHY, (rt.ctx.host,))
+
+    # ---- the end ----------------------------------------------------------------------------
+    def _end(self, reason: Reason, bad_nodes: tuple[str, ...] = ()) -> int:
+        """The exit code for an attempt that ended with ``reason`` (group rank 0 decides how it ends)."""
+        rt = self.rt
+        return end_of_attempt(
+            rt.spec,
+            rt.environ,
+            rt.run_dir,
+            rt.attempt,
+            reason,
+            decides=rt.coordinator is not None or reason is Reason.COORDINATOR_LOST,
+            bad_nodes=bad_nodes,
+            progressed=rt.group.progressed,
+        )
+
+    def _event(self, event: Event) -> None:
+        """An agent-level event: through the coordinator when connected, else written directly."""
+        if not self.rt.client.send(messages.AgentEvent(event)):
+            self.rt.run_dir.record(event, host=self.rt.ctx.host)

@@ -1,0 +1,333 @@
+"""The control plane's vocabulary: one frozen dataclass per message, one encoder, one decoder per
+direction and one dispatch used by both the coordinator and the agent.
+
+On the wire a message is a JSON object whose ``t`` field names its type (``protocol.py`` frames and
+authenticates it); :func:`encode` and :func:`decode` convert between those objects and the classes
+below. A type this side does not know decodes to None and is ignored (a newer peer may send it); a
+known type with missing or ill-typed fields raises :class:`InvalidMessage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hpcelastic.events import Event, EventName
+from hpcelastic.reasons import Reason, RestartCause
+
+Wire = dict[str, Any]
+Failure = Mapping[str, Any]
+
+
+class InvalidMessage(ValueError):
+    """A message of a known type whose fields are missing or of the wrong type."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every control message; ``TAG`` is its ``t`` on the wire."""
+
+    TAG: ClassVar[str]
+
+    def wire(self) -> Wire:
+        """The JSON object this message is on the wire."""
+        return {"t": self.TAG, **{f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Message:
+        """Parse the wire object (``t`` already matched); KeyError/TypeError/ValueError when invalid."""
+        return cls()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Event):
+        return {"event": value.name.value, "fields": dict(value.fields)}
+    return value
+
+
+def _failures(value: Any) -> tuple[Failure, ...]:
+    if not isinstance(value, list) or not all(isinstance(f, dict) for f in value):
+        raise TypeError("failures must be a list of objects")
+    return tuple(value)
+
+
+def _node_rank(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"node rank {value!r} is not an integer")
+    return value
+
+
+# ---- both directions -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TAG = "hb"
+
+
+# ---- agent -> coordinator ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello(Message):
+    """An agent's first, authenticated frame (``protocol`` adds its nonce)."""
+
+    TAG = "hello"
+    node_rank: int
+    host: str = ""
+    nproc: int = 1
+    pid: int | None = None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Hello:
+        pid = d.get("pid")
+        return cls(
+            _node_rank(d.get("node_rank")),
+            str(d.get("host", "")),
+            int(d.get("nproc", 1)),
+            None if pid is None else int(pid),
+        )
+
+
+@dataclass(frozen=True)
+class Started(Message):
+    """This node's workers of ``round`` are spawned (``ts``: when the last one was)."""
+
+    TAG = "started"
+    round: int
+    ts: float
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Started:
+        return cls(int(d.get("round", -1)), float(d.get("ts", time.time())))
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    """Workers of this node failed; the agent stops the others and then sends :class:`Stopped`."""
+
+    TAG = "failed"
+    round: int
+    failures: tuple[Failure, ...] = ()
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Failed:
+        return cls(int(d.get("round", -1)), _failures(d.get("failures", [])))
+
+
+@dataclass(frozen=True)
+class Stopped(Message):
+    """Every worker of this node is gone for ``round`` (``failures``: those that failed meanwhile)."""
+
+    TAG = "stopped"
+    round: int
+    failures: tuple[Failure, ...] = ()
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Stopped:
+        return cls(int(d.get("round", -1)), _failures(d.get("failures", [])))
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    """Every worker of this node exited 0 (the exit barrier)."""
+
+    TAG = "done"
+    round: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Done:
+        return cls(int(d.get("round", -1)))
+
+
+@dataclass(frozen=True)
+class PreemptSignal(Message):
+    """The stop signal reached this agent: the job stops everywhere."""
+
+    TAG = "preempt"
+    signal: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> PreemptSignal:
+        return cls(str(d.get("signal", "")))
+
+
+@dataclass(frozen=True)
+class Leave(Message):
+    """The agent leaves the job (terminated, or its node is unhealthy)."""
+
+    TAG = "leave"
+    reason: str
+    unhealthy: bool = False
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Leave:
+        return cls(str(d.get("reason", "left")), bool(d.get("unhealthy")))
+
+
+@dataclass(frozen=True)
+class AgentEvent(Message):
+    """An event seen by an agent, for the coordinator to write (``ts``, ``host`` are its own)."""
+
+    TAG = "event"
+    event: Event
+
+    def wire(self) -> Wire:
+        return {"t": self.TAG, "event": self.event.name.value, "fields": dict(self.event.fields)}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> AgentEvent:
+        fields = {k: v for k, v in dict(d.get("fields", {})).items() if k not in ("ts", "event", "host")}
+        return cls(Event(EventName(d["event"]), fields))
+
+
+# ---- coordinator -> agent ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Challenge(Message):
+    """The coordinator's first, unauthenticated frame (see ``protocol.py``)."""
+
+    TAG = "challenge"
+    nonce: str
+    v: int
+
+
+@dataclass(frozen=True)
+class Refusal(Message):
+    """The unauthenticated answer to an agent that may not join; the connection closes after it."""
+
+    TAG = "error"
+    error: str
+    auth: bool = False
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """The agent has joined."""
+
+    TAG = "welcome"
+    round: int
+    session: str = ""
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Welcome:
+        return cls(int(d.get("round", -1)), str(d.get("session", "")))
+
+
+@dataclass(frozen=True)
+class Round(Message):
+    """This node's part of one round: start its workers."""
+
+    TAG = "round"
+    round: int
+    restart_count: int
+    max_restarts: int
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Round:
+        ints = {f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name != "master_addr"}
+        return cls(master_addr=str(d["master_addr"]), **ints)
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Stop the workers of ``round`` (a worker failed or a node was lost) and report :class:`Stopped`."""
+
+    TAG = "stop"
+    round: int
+    reason: RestartCause
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Stop:
+        return cls(int(d["round"]), RestartCause(d["reason"]))
+
+
+@dataclass(frozen=True)
+class Preempt(Message):
+    """The job is being stopped by a signal: ask the workers to checkpoint and stop."""
+
+    TAG = "preempt"
+    round: int
+    signal: str = ""
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Preempt:
+        return cls(int(d.get("round", -1)), str(d.get("signal") or ""))
+
+
+@dataclass(frozen=True)
+class Finish(Message):
+    """The attempt is over: ``reason`` (its exit code is ``reason.exit_code``), nodes to avoid next."""
+
+    TAG = "finish"
+    reason: Reason
+    message: str = ""
+    bad_nodes: tuple[str, ...] = ()
+
+    @property
+    def exit_code(self) -> int:
+        return self.reason.exit_code
+
+    def wire(self) -> Wire:
+        return {**super().wire(), "exit_code": self.exit_code}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Finish:
+        return cls(Reason(d["reason"]), str(d.get("message") or ""), tuple(map(str, d.get("bad_nodes", []))))
+
+
+@dataclass(frozen=True)
+class Lost(Message):
+    """Never on the wire: the agent's client reports the coordinator lost."""
+
+    TAG = "lost"
+    reason: str
+
+
+def _table(*classes: type[Message]) -> dict[str, type[Message]]:
+    return {c.TAG: c for c in classes}
+
+
+#: What a coordinator accepts from an authenticated agent (``hello`` is read by the handshake).
+FROM_AGENT = _table(Heartbeat, Started, Failed, Stopped, Done, PreemptSignal, Leave, AgentEvent)
+#: What an agent accepts from its coordinator once joined.
+FROM_COORDINATOR = _table(Heartbeat, Round, Stop, Preempt, Finish)
+
+
+def encode(msg: Message) -> Wire:
+    """The wire object of ``msg``."""
+    return msg.wire()
+
+
+def decode(table: Mapping[str, type[Message]], d: Mapping[str, Any]) -> Message | None:
+    """The message ``d`` is, by ``table`` (:data:`FROM_AGENT` or :data:`FROM_COORDINATOR`).
+
+    None for a type this side does not know; :class:`InvalidMessage` for a malformed one.
+    """
+    cls = table.get(str(d.get("t")))
+    if cls is None:
+        return None
+    try:
+        return cls.from_wire(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidMessage(f"malformed {cls.TAG!r} message: {e!r}") from None
+
+
+#: A handler table: message class -> handler(message, *context).
+Handlers = Mapping[type[Message], Callable[..., None]]
+
+
+def dispatch(handlers: Handlers, msg: Message, *context: Any) -> None:
+    """Call the handler registered for ``msg``'s type with ``msg`` and ``context``; no handler: ignored."""
+    handler = handlers.get(type(msg))
+    if handler is not None:
+        handler(msg, *context)

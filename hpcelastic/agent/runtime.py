@@ -1,0 +1,123 @@
+"""What a bootstrapped node agent runs on: every part built and connected, nothing left to set up.
+
+:func:`~hpcelastic.agent.bootstrap.bootstrap` builds a :class:`NodeRuntime`;
+:class:`~hpcelastic.agent.loop.NodeLoop` runs the attempt over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import selectors
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcelastic.agent.client import CoordinatorClient
+from hpcelastic.agent.coordinator import Coordinator
+from hpcelastic.agent.health import GpuHealth
+from hpcelastic.agent.messages import Message
+from hpcelastic.agent.spec import AgentSpec
+from hpcelastic.agent.workers import WorkerGroup
+from hpcelastic.env.base import NodeContext
+from hpcelastic.errors import UserError
+from hpcelastic.rundir import RunDir
+
+RESTART_KILL_GRACE = 3.0
+STALL_CHECK_INTERVAL = 0.5
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Control-plane heartbeats and the GPU health check period (``HPCELASTIC_*`` variables)."""
+
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
+    health_interval: float = 30.0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Timing:
+        def number(name: str, default: float) -> float:
+            try:
+                return float(environ.get(name, default))
+            except ValueError:
+                raise UserError(f"{name}={environ[name]!r} is not a number") from None
+
+        return cls(
+            number("HPCELASTIC_HEARTBEAT_INTERVAL", cls.heartbeat_interval),
+            number("HPCELASTIC_HEARTBEAT_TIMEOUT", cls.heartbeat_timeout),
+            number("HPCELASTIC_HEALTH_INTERVAL", cls.health_interval),
+        )
+
+
+class Wake:
+    """The self-pipe that wakes the main loop: written by signal delivery and the client's reader."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def ring(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.w, b"\0")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.r, 4096)
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+@dataclass
+class Inbox:
+    """Messages from the coordinator, handed over from the client's reader thread to the main loop."""
+
+    wake: Wake
+    queue: queue.SimpleQueue[Message] = field(default_factory=queue.SimpleQueue)
+
+    def post(self, msg: Message) -> None:
+        """Called from the reader thread: queue ``msg`` and wake the main loop."""
+        self.queue.put(msg)
+        self.wake.ring()
+
+    def take(self) -> Message | None:
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+@dataclass
+class NodeRuntime:
+    """One node agent's attempt, fully set up."""
+
+    spec: AgentSpec
+    environ: Mapping[str, str]
+    ctx: NodeContext
+    run_dir: RunDir
+    attempt: int
+    timing: Timing
+    selector: selectors.BaseSelector
+    inbox: Inbox
+    client: CoordinatorClient
+    #: Only group rank 0 hosts the coordinator.
+    coordinator: Coordinator | None
+    group: WorkerGroup
+    heartbeats: socket.socket
+    stop_file: Path
+    #: None where NVML or GPUs are absent.
+    health: GpuHealth | None
+    #: Signals delivered and not yet handled (appended by the signal handler).
+    signals: list[int] = field(default_factory=list)
+
+    def say(self, text: str) -> None:
+        say(self.ctx.node_rank, text)
+
+
+def say(node_rank: int, text: str) -> None:
+    """One line from this agent on standard error."""
+    print(f"hpcelastic[agent {node_rank}]: {text.rstrip()}", file=sys.stderr, flush=True)

@@ -1,0 +1,147 @@
+"""One parser per concept the user types: node counts, worker counts, signals, time limits, env names.
+
+Every command line (``submit``, ``agent``, ``run``), the Python API and the site files parse these
+values here, so a value is accepted or refused alike everywhere, with one wording. Only ASCII digits
+count: ``\\d``, ``str.isdigit()`` and ``int()`` also take ``'٣'``, ``'²'`` or ``'1_0'``, which no
+Slurm tool would. Light on imports: the CLI's start-up time depends on it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from collections.abc import Sequence
+from typing import Any
+
+from hpcelastic.errors import UserError
+
+ASCII_INT = re.compile(r"[0-9]+")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
+AUTO = "auto"
+
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_NODES = re.compile(r"\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?")
+
+
+def parse_nodes(value: str | int) -> tuple[int, int]:
+    """``"4"`` -> (4, 4), ``"2:4"`` -> (2, 4); :class:`UserError` for 0, a reversed range or junk."""
+    m = _NODES.fullmatch(str(value))
+    if not m:
+        raise UserError(f"--nodes {value!r} is not N or N_MIN:N_MAX (e.g. --nodes 4 or --nodes 2:4)")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) is not None else low
+    if low < 1:
+        raise UserError(f"--nodes {value!r}: at least one node is needed")
+    if high < low:
+        raise UserError(f"--nodes {value!r}: N_MIN is larger than N_MAX; write it as {high}:{low}")
+    return low, high
+
+
+def parse_nproc(value: str | int) -> int | None:
+    """Workers per node: ``"auto"`` -> None (the node's GPUs, else 1), else a positive integer."""
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return None
+    if ASCII_INT.fullmatch(text) and int(text) > 0:
+        return int(text)
+    raise UserError(f"--nproc-per-node {value!r} must be a positive integer or 'auto'")
+
+
+def signal_name(value: Any) -> str | None:
+    """``"SIGUSR2"``, ``"usr2"`` or ``12`` -> ``"USR2"``; None when it is not a signal."""
+    text = str(value).strip().upper()
+    if text.isascii() and text.isdigit():
+        try:
+            return _signal.Signals(int(text)).name.removeprefix("SIG")
+        except ValueError:
+            return None
+    name = text if text.startswith("SIG") else "SIG" + text
+    return name.removeprefix("SIG") if name in _signal.Signals.__members__ else None
+
+
+def parse_signal(value: str | int) -> _signal.Signals:
+    """``USR2``, ``SIGUSR2`` or ``12`` -> the signal; :class:`UserError` otherwise."""
+    name = signal_name(value)
+    if name is None:
+        raise UserError(f"--signal {value!r} is not a signal name such as USR2")
+    return _signal.Signals["SIG" + name]
+
+
+def parse_signal_lead(value: str) -> tuple[str, int]:
+    """``"USR2@180"`` -> ("USR2", 180): the signal and its lead time before the limit."""
+    name, sep, lead = str(value).partition("@")
+    sig = signal_name(name)
+    if not sep or sig is None or not ASCII_INT.fullmatch(lead.strip()):
+        raise UserError(f"--signal {value!r} is not SIG@SECONDS (e.g. --signal USR2@180)")
+    seconds = int(lead)
+    if seconds > MAX_SIGNAL_LEAD_S:
+        raise UserError(f"--signal {value!r}: Slurm allows at most {MAX_SIGNAL_LEAD_S} s of lead time")
+    return sig, seconds
+
+
+_TIME_FORMS = (
+    (re.compile(r"([0-9]+)"), ("m",)),
+    (re.compile(r"([0-9]+):([0-9]+)"), ("m", "s")),
+    (re.compile(r"([0-9]+):([0-9]+):([0-9]+)"), ("h", "m", "s")),
+    (re.compile(r"([0-9]+)-([0-9]+)"), ("d", "h")),
+    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+)"), ("d", "h", "m")),
+    (re.compile(r"([0-9]+)-([0-9]+):([0-9]+):([0-9]+)"), ("d", "h", "m", "s")),
+)
+_UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_time(value: Any) -> int:
+    """Seconds in a Slurm time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.
+
+    Raises ValueError (with the accepted forms) for anything else or for zero.
+    """
+    text = str(value).strip()
+    for pattern, units in _TIME_FORMS:
+        m = pattern.fullmatch(text)
+        if m:
+            seconds = sum(int(g) * _UNIT_S[u] for g, u in zip(m.groups(), units, strict=True))
+            if seconds <= 0:
+                raise ValueError(f"time limit {text!r} is zero")
+            return seconds
+    raise ValueError(f"{text!r} is not a Slurm time (use MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)")
+
+
+def format_time(seconds: int) -> str:
+    """Seconds -> ``D-HH:MM:SS`` (Slurm accepts it everywhere)."""
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+
+
+def check_module_name(name: str) -> str:
+    """``name`` when it is a dotted Python module name (for ``-m``); :class:`UserError` otherwise."""
+    if not _MODULE_NAME.fullmatch(name):
+        raise UserError(f"-m {name!r} is not a Python module name (e.g. -m mypkg.train)")
+    return name
+
+
+def is_env_name(name: Any) -> bool:
+    """True for a name the shell can export (``[A-Za-z_][A-Za-z0-9_]*``)."""
+    return isinstance(name, str) and ENV_NAME.fullmatch(name) is not None
+
+
+def no_nul(value: str, what: str) -> None:
+    """:class:`UserError` when ``value`` holds a NUL byte (no command line or environment carries one)."""
+    if "\0" in value:
+        raise UserError(f"{what} contains a NUL byte, which no command line or environment can carry")
+
+
+def parse_env(items: Sequence[str]) -> dict[str, str]:
+    """``["A=1", "B=x=y"]`` -> {"A": "1", "B": "x=y"}; :class:`UserError` for a malformed entry."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not is_env_name(key):
+            raise UserError(
+                f"--env {item!r} is not KEY=VALUE with a valid variable name (e.g. --env NCCL_DEBUG=INFO)"
+            )
+        no_nul(value, f"--env {key}")
+        out[key] = value
+    return out
