@@ -3,30 +3,84 @@
 # slurmd daemons (node1..node4, `slurmd -N`), each node with 4 fake GPUs (character
 # device files made with mknod) so Slurm sets CUDA_VISIBLE_DEVICES/SLURM_STEP_GPUS.
 #
-#   scripts/testbed.sh install   apt packages (slurm-wlm, munge); idempotent
-#   scripts/testbed.sh up        write the config, start munge + daemons, wait until idle
-#   scripts/testbed.sh down      stop the daemons (keeps the config)
-#   scripts/testbed.sh status    scontrol ping + sinfo
+#   scripts/testbed.sh install           apt packages (slurm-wlm, munge); idempotent
+#   scripts/testbed.sh up                write the config, start munge + daemons, wait until idle
+#                                        (an instance that is already running keeps its config)
+#   scripts/testbed.sh down              stop this instance's daemons and its job processes (keeps the config)
+#   scripts/testbed.sh status            its daemons' pids, scontrol ping, sinfo
+#   scripts/testbed.sh env               the `export SLURM_CONF=...` line for this instance
+#   scripts/testbed.sh kill-node NODE    the node dies as a whole: SIGKILL its slurmd and every process of
+#                                        its jobs at once; prints the killed pids. Slurm marks it DOWN
+#                                        after SlurmdTimeout (TESTBED_SLURMD_TIMEOUT) and acts on its jobs.
+#   scripts/testbed.sh revive-node NODE  restart its slurmd and `scontrol update State=RESUME`
+#   scripts/testbed.sh pids NODE         the pids kill-node would kill (nothing is killed)
+#
+# Instances: the testbed touches only the daemons it started (pid files in its state dir, each pid's
+# command line checked before a signal). TESTBED_NAME picks the instance:
+#   default  (TESTBED_NAME unset or "default"): /etc/slurm, /var/lib/hpcelastic-testbed, nodes node1..,
+#            127.0.1.i, ports 6817 and 17001.. -- what the tests use.
+#   NAME     (e.g. dev): /var/lib/hpcelastic-testbed-NAME/etc/slurm.conf, nodes NAME1.., addresses
+#            127.0.I.i and ports 6817+100*(I-1), 17000+100*(I-1)+i with I = TESTBED_INDEX (default 2).
+#            Point clients at it with `eval "$(TESTBED_NAME=NAME scripts/testbed.sh env)"`.
+# Knobs (read when the config is written, i.e. on `up` of a stopped instance):
+#   TESTBED_NODES (4), TESTBED_GPUS_PER_NODE (4), TESTBED_CPUS_PER_NODE (8), TESTBED_CRED_EXPIRE (10),
+#   TESTBED_SLURMD_TIMEOUT (60): seconds without an answer from a slurmd before its node is DOWN,
+#   TESTBED_UNRESOLVABLE: "1"/"all", or node names (comma/space separated) whose NodeName is kept
+#            out of /etc/hosts; Slurm reaches them by NodeAddr only,
+#   TESTBED_PREEMPT=1: add partition `urgent` (PriorityTier=10) over the same nodes, with
+#            PreemptType=preempt/partition_prio and PreemptMode=REQUEUE: its jobs requeue `debug` jobs.
 #
 # Node names resolve to their own loopback address (node1 -> 127.0.1.1, ...) through
 # /etc/hosts, so every emulated node has its own IP, like a real cluster.
 # Needs root (it writes /etc/slurm and /etc/hosts): run it on a throw-away machine or CI.
 set -euo pipefail
 
+NAME=${TESTBED_NAME:-default}
+case "$NAME" in
+  *[!a-z0-9]* | "")
+    printf 'testbed: TESTBED_NAME must be lowercase letters and digits, not %q\n' "$NAME" >&2
+    exit 2
+    ;;
+esac
 NODES=${TESTBED_NODES:-4}
 GPUS=${TESTBED_GPUS_PER_NODE:-4}
 CPUS=${TESTBED_CPUS_PER_NODE:-8}
-CONF_DIR=/etc/slurm
-STATE=/var/lib/hpcelastic-testbed
-LOGS=/var/log/hpcelastic-testbed
-DEVS=$STATE/dev
 CRED_EXPIRE=${TESTBED_CRED_EXPIRE:-10}
+SLURMD_TIMEOUT=${TESTBED_SLURMD_TIMEOUT:-60}
+UNRESOLVABLE=${TESTBED_UNRESOLVABLE:-}
+PREEMPT=${TESTBED_PREEMPT:-0}
+if [ "$NAME" = default ]; then
+  INDEX=1
+  CONF_DIR=/etc/slurm
+  STATE=/var/lib/hpcelastic-testbed
+  LOGS=/var/log/hpcelastic-testbed
+  PREFIX=node
+  CLUSTER=testbed
+else
+  INDEX=${TESTBED_INDEX:-2}
+  STATE=/var/lib/hpcelastic-testbed-$NAME
+  CONF_DIR=$STATE/etc
+  LOGS=/var/log/hpcelastic-testbed-$NAME
+  PREFIX=$NAME
+  CLUSTER=tb$NAME
+fi
+if [ "$INDEX" -lt 1 ] || [ "$INDEX" -gt 250 ]; then
+  echo "testbed: TESTBED_INDEX must be 1..250" >&2
+  exit 2
+fi
+CONF=$CONF_DIR/slurm.conf
+CTLD_PORT=$((6817 + 100 * (INDEX - 1)))
+NODE_PORT0=$((17000 + 100 * (INDEX - 1)))
+NET=127.0.$INDEX
+DEVS=$STATE/dev
+RUN=$STATE/run
+export SLURM_CONF=$CONF
 
-log() { printf 'testbed: %s\n' "$*" >&2; }
+log() { printf 'testbed[%s]: %s\n' "$NAME" "$*" >&2; }
 
 need_root() {
   if [ "$(id -u)" != 0 ]; then
-    log "must run as root (it writes /etc/slurm and /etc/hosts)"
+    log "must run as root (it writes $CONF_DIR and /etc/hosts)"
     exit 2
   fi
 }
@@ -43,24 +97,41 @@ install_packages() {
   apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
 }
 
-write_hosts() {
+node_names() {
   local i
+  for i in $(seq 1 "$NODES"); do echo "$PREFIX$i"; done
+}
+
+unresolvable() { # NODE: is its name kept out of /etc/hosts?
+  case "$UNRESOLVABLE" in
+    "" | 0 | no | false) return 1 ;;
+    1 | all | yes | true) return 0 ;;
+  esac
+  [[ " ${UNRESOLVABLE//,/ } " == *" $1 "* ]]
+}
+
+write_hosts() {
+  local i node kept
   for i in $(seq 1 "$NODES"); do
-    if ! grep -qE "^127\.0\.1\.$i[[:space:]]+node$i\$" /etc/hosts; then
+    node=$PREFIX$i
+    if unresolvable "$node"; then
+      grep -qE "[[:space:]]$node\$" /etc/hosts || continue
+      kept=$(grep -vE "[[:space:]]$node\$" /etc/hosts || true)
+      printf '%s\n' "$kept" >/etc/hosts
+    elif ! grep -qE "^${NET//./\\.}\.$i[[:space:]]+$node\$" /etc/hosts; then
       # /etc/hosts may be a bind mount: rewrite it in place rather than replacing the file.
-      local kept
-      kept=$(grep -vE "[[:space:]]node$i\$" /etc/hosts || true)
-      printf '%s\n127.0.1.%s node%s\n' "$kept" "$i" "$i" >/etc/hosts
+      kept=$(grep -vE "[[:space:]]$node\$" /etc/hosts || true)
+      printf '%s\n%s.%s %s\n' "$kept" "$NET" "$i" "$node" >/etc/hosts
     fi
   done
 }
 
 make_fake_gpus() {
-  local i g
-  for i in $(seq 1 "$NODES"); do
-    mkdir -p "$DEVS/node$i"
+  local node g
+  for node in $(node_names); do
+    mkdir -p "$DEVS/$node"
     for g in $(seq 0 $((GPUS - 1))); do
-      [ -c "$DEVS/node$i/nvidia$g" ] || mknod "$DEVS/node$i/nvidia$g" c 195 "$g"
+      [ -c "$DEVS/$node/nvidia$g" ] || mknod "$DEVS/$node/nvidia$g" c 195 "$g"
     done
   done
 }
@@ -68,12 +139,12 @@ make_fake_gpus() {
 write_config() {
   local host i
   host=$(hostname -s)
-  mkdir -p "$CONF_DIR" "$STATE/ctld" "$LOGS"
+  mkdir -p "$CONF_DIR" "$STATE/ctld" "$LOGS" "$RUN"
   {
-    echo "# Written by hpcelastic scripts/testbed.sh: a test cluster on one host."
-    echo "ClusterName=testbed"
+    echo "# Written by hpcelastic scripts/testbed.sh (instance $NAME): a test cluster on one host."
+    echo "ClusterName=$CLUSTER"
     echo "SlurmctldHost=$host(127.0.0.1)"
-    echo "SlurmctldPort=6817"
+    echo "SlurmctldPort=$CTLD_PORT"
     echo "SlurmUser=root"
     echo "AuthType=auth/munge"
     echo "CredType=cred/munge"
@@ -81,8 +152,9 @@ write_config() {
     echo "AuthInfo=cred_expire=$CRED_EXPIRE"
     echo "StateSaveLocation=$STATE/ctld"
     echo "SlurmdSpoolDir=$STATE/spool/%n"
-    echo "SlurmctldPidFile=/run/slurmctld-testbed.pid"
-    echo "SlurmdPidFile=/run/slurmd-testbed-%n.pid"
+    # Pid files of this instance only: start/stop/status go by them.
+    echo "SlurmctldPidFile=$RUN/slurmctld.pid"
+    echo "SlurmdPidFile=$RUN/slurmd-%n.pid"
     echo "SlurmctldLogFile=$LOGS/slurmctld.log"
     echo "SlurmdLogFile=$LOGS/slurmd-%n.log"
     echo "SlurmctldDebug=info"
@@ -104,17 +176,26 @@ write_config() {
     echo "KillWait=10"
     echo "MinJobAge=3600"
     echo "MessageTimeout=20"
-    echo "SlurmdTimeout=60"
+    echo "SlurmdTimeout=$SLURMD_TIMEOUT"
     echo "InactiveLimit=0"
     echo "Waittime=0"
+    if [ "$PREEMPT" = 1 ]; then
+      echo "PreemptType=preempt/partition_prio"
+      echo "PreemptMode=REQUEUE"
+    fi
     for i in $(seq 1 "$NODES"); do
-      echo "NodeName=node$i NodeHostname=$host NodeAddr=127.0.1.$i Port=$((17000 + i)) CPUs=$CPUS RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"
+      echo "NodeName=$PREFIX$i NodeHostname=$host NodeAddr=$NET.$i Port=$((NODE_PORT0 + i)) CPUs=$CPUS RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"
     done
-    echo "PartitionName=debug Nodes=node[1-$NODES] Default=YES MaxTime=INFINITE State=UP"
-  } >"$CONF_DIR/slurm.conf"
+    if [ "$PREEMPT" = 1 ]; then
+      echo "PartitionName=debug Nodes=$PREFIX[1-$NODES] Default=YES MaxTime=INFINITE State=UP PriorityTier=1"
+      echo "PartitionName=urgent Nodes=$PREFIX[1-$NODES] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF"
+    else
+      echo "PartitionName=debug Nodes=$PREFIX[1-$NODES] Default=YES MaxTime=INFINITE State=UP"
+    fi
+  } >"$CONF"
   {
     for i in $(seq 1 "$NODES"); do
-      echo "NodeName=node$i Name=gpu File=$DEVS/node$i/nvidia[0-$((GPUS - 1))]"
+      echo "NodeName=$PREFIX$i Name=gpu File=$DEVS/$PREFIX$i/nvidia[0-$((GPUS - 1))]"
     done
   } >"$CONF_DIR/gres.conf"
   # No cgroup.conf: Slurm 22.05 then uses its defaults, which work in containers
@@ -123,7 +204,8 @@ write_config() {
 }
 
 start_munge() {
-  if pgrep -x munged >/dev/null; then
+  # One munged serves every instance (same key); it is never stopped by `down`.
+  if [ -S /run/munge/munge.socket.2 ] && munge -n </dev/null >/dev/null 2>&1; then
     return 0
   fi
   mkdir -p /run/munge /var/log/munge /var/lib/munge
@@ -153,52 +235,258 @@ wait_for() {
 
 all_nodes_idle() {
   local ready
-  ready=$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)$' || true)
+  ready=$(sinfo -h -N -o '%N %T' 2>/dev/null | sort -u | grep -cE ' (idle|mixed|allocated)$' || true)
   [ "$ready" -ge "$NODES" ]
 }
+
+# --- daemons by pid file -------------------------------------------------------------------------
+
+conf_value() { # KEY: its value in the config on disk (the one the running daemons were started with)
+  [ -r "$CONF" ] || return 0
+  sed -n "s/^$1=//p" "$CONF" | tail -n 1
+}
+
+ctld_pidfile() { local f; f=$(conf_value SlurmctldPidFile); echo "${f:-$RUN/slurmctld.pid}"; }
+
+slurmd_pidfile() { # NODE
+  local f
+  f=$(conf_value SlurmdPidFile)
+  f=${f:-$RUN/slurmd-%n.pid}
+  echo "${f//%n/$1}"
+}
+
+cmdline() { tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null || true; }
+
+# Is PID a live DAEMON (slurmctld, or slurmd with NODE) of this instance? Daemons are started with
+# `-f $CONF`; ones started without -f (older testbed.sh) belong to the instance whose config is
+# /etc/slurm/slurm.conf.
+is_ours() { # PID DAEMON [NODE]
+  local pid=$1 daemon=$2 node=${3:-} cmd
+  [ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$daemon" ] || return 1
+  grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null && return 1
+  cmd=" $(cmdline "$pid")"
+  if [[ "$cmd" == *" -f "* ]]; then
+    [[ "$cmd" == *" -f $CONF "* ]] || return 1
+  else
+    [ "$CONF" = /etc/slurm/slurm.conf ] || return 1
+  fi
+  if [ -n "$node" ]; then [[ "$cmd" == *" -N $node "* ]] || return 1; fi
+  return 0
+}
+
+pid_from() { # PIDFILE
+  local p
+  p=$(cat "$1" 2>/dev/null || true)
+  p=${p//[!0-9]/}
+  echo "$p"
+}
+
+ctld_pid() { local p; p=$(pid_from "$(ctld_pidfile)"); if is_ours "$p" slurmctld; then echo "$p"; fi; }
+
+slurmd_pid() { # NODE
+  local p
+  p=$(pid_from "$(slurmd_pidfile "$1")")
+  if is_ours "$p" slurmd "$1"; then echo "$p"; fi
+}
+
+valid_node() { # NODE
+  local n
+  for n in $(node_names); do [ "$n" = "$1" ] && return 0; done
+  log "no node $1 in instance $NAME ($(node_names | xargs))"
+  exit 2
+}
+
+# Every process of NODE's jobs. slurmstepd daemons are reparented to init and carry no node name in
+# their environment, but each one listens on a socket in its node's SlurmdSpoolDir and writes its
+# node's SlurmdLogFile: those open files tie it to the node. Job tasks have SLURMD_NODENAME=NODE and
+# SLURM_CLUSTER_NAME of this cluster in their environment (that also catches a task that left its
+# tree). All descendants of those are added.
+node_job_pids() { # NODE
+  local node=$1 spool logf p f inodes files self=$$
+  spool=$(conf_value SlurmdSpoolDir)
+  spool=${spool:-$STATE/spool/%n}
+  spool=${spool//%n/$node}
+  logf=$(conf_value SlurmdLogFile)
+  logf=${logf//%n/$node}
+  inodes=" $(awk -v d="$spool/" 'index($8, d) == 1 {printf "%s ", $7}' /proc/net/unix 2>/dev/null) "
+  local -A seed=()
+  for p in $(pgrep -x slurmstepd || true); do
+    for f in "/proc/$p/fd/"*; do
+      f=$(readlink "$f" 2>/dev/null) || continue
+      if [ -n "$logf" ] && [ "$f" = "$logf" ]; then seed[$p]=1; break; fi
+      if [[ "$f" == socket:\[*\] ]] && [[ "$inodes" == *" ${f//[!0-9]/} "* ]]; then seed[$p]=1; break; fi
+    done
+  done
+  for f in $(grep -lzx "SLURMD_NODENAME=$node" /proc/[0-9]*/environ 2>/dev/null || true); do
+    grep -qzx "SLURM_CLUSTER_NAME=$CLUSTER" "$f" 2>/dev/null || continue
+    p=${f#/proc/}
+    seed[${p%%/*}]=1
+  done
+  unset "seed[$self]"
+  [ "${#seed[@]}" -gt 0 ] || return 0
+  # Descendants, from one snapshot of the process table.
+  local -A all=() kids=()
+  local pid ppid changed=1
+  while read -r pid ppid; do kids[$ppid]+="$pid "; done < <(ps -e -o pid=,ppid=)
+  for p in "${!seed[@]}"; do all[$p]=1; done
+  while [ "$changed" = 1 ]; do
+    changed=0
+    for p in "${!all[@]}"; do
+      for pid in ${kids[$p]:-}; do
+        [ -n "${all[$pid]:-}" ] && continue
+        [ "$pid" = "$self" ] && continue
+        all[$pid]=1
+        changed=1
+      done
+    done
+  done
+  printf '%s\n' "${!all[@]}" | sort -n
+}
+
+node_pids() { # NODE: its slurmd and every process of its jobs
+  local d
+  d=$(slurmd_pid "$1")
+  [ -n "$d" ] && echo "$d"
+  node_job_pids "$1"
+}
+
+has_slurmd() { [ -n "$(slurmd_pid "$1")" ]; }
+
+start_slurmd() { # NODE
+  local node=$1
+  [ -n "$(slurmd_pid "$node")" ] && return 0
+  mkdir -p "$STATE/spool/$node" "$RUN"
+  rm -f "$(slurmd_pidfile "$node")"
+  slurmd -f "$CONF" -N "$node"
+  wait_for "slurmd $node to write its pid file" 40 has_slurmd "$node" \
+    || { tail -n 20 "$LOGS/slurmd-$node.log" >&2 || true; return 1; }
+}
+
+stop_pids() { # NAME PID...: SIGTERM, then SIGKILL after ~10 s
+  local what=$1 n=0 p alive
+  shift
+  [ "$#" -gt 0 ] || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  while :; do
+    alive=()
+    for p in "$@"; do [ -d "/proc/$p" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$p/status" 2>/dev/null && alive+=("$p"); done
+    [ "${#alive[@]}" -eq 0 ] && return 0
+    n=$((n + 1))
+    if [ "$n" -eq 40 ]; then
+      log "$what did not stop on SIGTERM: SIGKILL ${alive[*]}"
+      kill -KILL "${alive[@]}" 2>/dev/null || true
+    fi
+    [ "$n" -gt 80 ] && { log "$what still alive: ${alive[*]}"; return 1; }
+    sleep 0.25
+  done
+}
+
+# --- commands ------------------------------------------------------------------------------------
 
 up() {
   need_root
   install_packages
+  local node running=0
+  [ -n "$(ctld_pid)" ] && running=1
+  if [ "$running" = 1 ]; then
+    # Never rewrite the config under running daemons: they would disagree with their clients.
+    log "slurmctld $(ctld_pid) already running: config $CONF kept (down + up applies new settings)"
+  else
+    write_config
+  fi
   write_hosts
   make_fake_gpus
-  write_config
   start_munge
-  local i
-  mkdir -p "$STATE/ctld"
-  for i in $(seq 1 "$NODES"); do mkdir -p "$STATE/spool/node$i"; done
-  if ! pgrep -x slurmctld >/dev/null; then
+  mkdir -p "$STATE/ctld" "$RUN"
+  for node in $(node_names); do mkdir -p "$STATE/spool/$node"; done
+  if [ "$running" = 0 ]; then
     # A fresh start clears the saved state (-c): jobs of an earlier, killed testbed must not
     # come back and hold nodes while the tests run.
-    log "starting slurmctld"
-    slurmctld -c
+    log "starting slurmctld (port $CTLD_PORT)"
+    rm -f "$(ctld_pidfile)"
+    slurmctld -f "$CONF" -c
   fi
-  wait_for "slurmctld" 60 scontrol ping
-  for i in $(seq 1 "$NODES"); do
-    if ! pgrep -f "slurmd -N node$i\$" >/dev/null; then
-      slurmd -N "node$i"
-    fi
-  done
+  wait_for "slurmctld" 60 scontrol ping || { tail -n 20 "$LOGS/slurmctld.log" >&2 || true; exit 1; }
+  for node in $(node_names); do start_slurmd "$node"; done
   wait_for "all $NODES nodes to be idle" 120 all_nodes_idle || { sinfo -N >&2; exit 1; }
   # Nodes left DOWN/DRAIN by an earlier run (e.g. a killed slurmd) come back here.
-  scontrol update NodeName="node[1-$NODES]" State=RESUME >/dev/null 2>&1 || true
+  scontrol update NodeName="$PREFIX[1-$NODES]" State=RESUME >/dev/null 2>&1 || true
   log "up: $NODES nodes x $GPUS GPUs, partition debug ($(sinfo -h -o '%D nodes %T' | tr '\n' ' '))"
+  if [ "$NAME" != default ]; then log "clients: export SLURM_CONF=$CONF"; fi
 }
 
 down() {
-  pkill -x slurmd 2>/dev/null || true
-  pkill -x slurmctld 2>/dev/null || true
-  local n=0
-  while pgrep -x slurmd >/dev/null || pgrep -x slurmctld >/dev/null; do
-    n=$((n + 1))
-    [ "$n" -gt 40 ] && { pkill -9 -x slurmd || true; pkill -9 -x slurmctld || true; }
-    sleep 0.25
+  local node pids=() p
+  for node in $(node_names); do
+    p=$(slurmd_pid "$node")
+    [ -n "$p" ] && pids+=("$p")
   done
+  stop_pids "slurmd" "${pids[@]}" || true
+  # Job processes left behind by the slurmds of this instance (slurmstepd and tasks).
+  pids=()
+  for node in $(node_names); do
+    for p in $(node_job_pids "$node"); do pids+=("$p"); done
+  done
+  if [ "${#pids[@]}" -gt 0 ]; then kill -KILL "${pids[@]}" 2>/dev/null || true; fi
+  p=$(ctld_pid)
+  if [ -n "$p" ]; then
+    local kids
+    kids=$(pgrep -P "$p" || true)
+    # shellcheck disable=SC2086
+    stop_pids "slurmctld" "$p" $kids || true
+  fi
   log "down"
 }
 
 status() {
+  local node p
+  echo "instance $NAME: SLURM_CONF=$CONF"
+  p=$(ctld_pid)
+  echo "slurmctld ${p:-not running} (port $CTLD_PORT)"
+  for node in $(node_names); do
+    p=$(slurmd_pid "$node")
+    echo "slurmd $node ${p:-not running}"
+  done
+  if [ ! -r "$CONF" ]; then echo "not configured ($CONF missing): run up"; return 3; fi
   scontrol ping && sinfo -N -o '%N %T %G'
+}
+
+kill_node() { # NODE
+  local node=$1 pids=() more p n
+  valid_node "$node"
+  need_root
+  # Freeze first (so nothing forks or reacts half-way), collect again until the set is stable,
+  # then SIGKILL everything in one go: the node dies as a whole.
+  mapfile -t pids < <(node_pids "$node")
+  for n in 1 2 3 4 5; do
+    [ "${#pids[@]}" -gt 0 ] && kill -STOP "${pids[@]}" 2>/dev/null || true
+    mapfile -t more < <(node_pids "$node")
+    local -A seen=()
+    for p in "${pids[@]}"; do seen[$p]=1; done
+    local grew=0
+    for p in "${more[@]}"; do
+      [ -z "${seen[$p]:-}" ] && { pids+=("$p"); grew=1; }
+    done
+    unset seen
+    [ "$grew" = 0 ] && break
+  done
+  if [ "${#pids[@]}" -eq 0 ]; then
+    log "kill-node $node: nothing runs there"
+    return 0
+  fi
+  kill -KILL "${pids[@]}" 2>/dev/null || true
+  log "kill-node $node: SIGKILLed ${#pids[@]} processes; Slurm marks it DOWN after SlurmdTimeout=$(conf_value SlurmdTimeout)s"
+  printf '%s\n' "${pids[@]}"
+}
+
+revive_node() { # NODE
+  local node=$1
+  valid_node "$node"
+  need_root
+  start_slurmd "$node"
+  scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
+  log "revive-node $node: slurmd $(slurmd_pid "$node") $(sinfo -h -N -n "$node" -o '%T' | head -n 1)"
 }
 
 case "${1:-}" in
@@ -207,8 +495,12 @@ case "${1:-}" in
   down) down ;;
   restart) down; up ;;
   status) status ;;
+  env) echo "export SLURM_CONF=$CONF" ;;
+  kill-node) kill_node "${2:?usage: $0 kill-node NODE}" ;;
+  revive-node) revive_node "${2:?usage: $0 revive-node NODE}" ;;
+  pids) valid_node "${2:?usage: $0 pids NODE}"; node_pids "$2" ;;
   *)
-    echo "usage: $0 install|up|down|restart|status" >&2
+    echo "usage: [TESTBED_NAME=NAME] $0 install|up|down|restart|status|env|kill-node NODE|revive-node NODE|pids NODE" >&2
     exit 2
     ;;
 esac

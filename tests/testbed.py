@@ -1,0 +1,130 @@
+"""Fault injection on the Slurm testbed (scripts/testbed.sh) from tests.
+
+A node of the testbed is a ``slurmd -N NODE`` plus the slurmstepd daemons it started and their
+processes. :func:`kill_node` makes a node die as a whole (SIGKILL of all of them at once); Slurm
+declares it DOWN after SlurmdTimeout (plus about 20 s, see scripts/testbed.sh) and acts on its jobs;
+:func:`revive_node` restarts its slurmd and resumes it.
+
+The instance is named by the node (``node3`` -> the default instance, ``dev2`` -> instance ``dev``)
+or explicitly with :class:`Testbed`. Killing a node of the default instance disturbs everyone who
+uses it: tests do that only on an instance of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "testbed.sh"
+
+
+@dataclass
+class Testbed:
+    """One testbed instance; ``settings`` are TESTBED_* variables for its ``up`` (e.g. SLURMD_TIMEOUT="5")."""
+
+    __test__ = False  # not a pytest test class
+
+    name: str = "default"
+    settings: dict[str, str] = field(default_factory=dict)
+
+    def script_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESTBED_") and k != "SLURM_CONF"}
+        env["TESTBED_NAME"] = self.name
+        env.update({f"TESTBED_{k.upper()}": str(v) for k, v in self.settings.items()})
+        return env
+
+    def run(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """``scripts/testbed.sh ARGS`` for this instance."""
+        argv = ["bash", str(SCRIPT), *args]
+        proc = subprocess.run(argv, env=self.script_env(), capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"testbed.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        return proc
+
+    @property
+    def slurm_conf(self) -> str:
+        out = self.run("env").stdout.strip()
+        return out.split("=", 1)[1]
+
+    def slurm_env(self) -> dict[str, str]:
+        """An environment whose Slurm commands (sbatch, squeue, scontrol) talk to this instance."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = self.slurm_conf
+        return env
+
+    def slurm(self, *argv: str, check: bool = True, timeout: float = 60) -> str:
+        """Run a Slurm command against this instance; its stdout."""
+        env = self.slurm_env()
+        proc = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr}")
+        return proc.stdout
+
+    def up(self) -> None:
+        self.run("up")
+
+    def down(self) -> None:
+        self.run("down")
+
+    def daemon_pids(self) -> dict[str, int | None]:
+        """``{"slurmctld": pid, "NODE": slurmd pid, ...}`` from ``testbed.sh status`` (None: not running)."""
+        out = self.run("status", check=False).stdout
+        pids: dict[str, int | None] = {}
+        for line in out.splitlines():
+            m = re.match(r"^slurmctld (\d+|not running)", line)
+            m = m or re.match(r"^slurmd (\S+) (\d+|not running)", line)
+            if not m:
+                continue
+            key, val = ("slurmctld", m.group(1)) if line.startswith("slurmctld") else (m.group(1), m.group(2))
+            pids[key] = int(val) if val.isdigit() else None
+        return pids
+
+    def node_pids(self, node: str) -> list[int]:
+        """The pids :meth:`kill_node` would kill (the node's slurmd and its job processes)."""
+        return [int(p) for p in self.run("pids", node).stdout.split()]
+
+    def kill_node(self, node: str) -> list[int]:
+        """SIGKILL the node's slurmd and every process of its jobs at once; the pids killed."""
+        return [int(p) for p in self.run("kill-node", node).stdout.split()]
+
+    def revive_node(self, node: str) -> None:
+        """Restart the node's slurmd and ``scontrol update State=RESUME`` it."""
+        self.run("revive-node", node)
+
+    def node_state(self, node: str) -> str:
+        """The node's state from ``scontrol show node``, lowercase: ``idle``, ``down+not_responding``..."""
+        out = self.slurm("scontrol", "show", "node", "-o", node, check=False)
+        m = re.search(r"\bState=(\S+)", out)
+        return m.group(1).lower() if m else ""
+
+    def wait_node_state(self, node: str, prefixes: tuple[str, ...], timeout: float = 120) -> float:
+        """Wait until the node's state starts with one of ``prefixes``; the seconds it took."""
+        t0 = time.monotonic()
+        state = ""
+        while time.monotonic() - t0 < timeout:
+            state = self.node_state(node)
+            if state.startswith(prefixes):
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise AssertionError(f"node {node} not in {prefixes} after {timeout:.0f} s: {state!r}")
+
+
+def instance_of(node: str) -> Testbed:
+    """The instance a node belongs to: ``nodeN`` -> default, ``NAMEN`` -> instance NAME."""
+    prefix = re.sub(r"\d+$", "", node)
+    return Testbed("default" if prefix == "node" else prefix)
+
+
+def kill_node(name: str) -> list[int]:
+    """The node dies as a whole (slurmd and all its job processes, SIGKILL at once); the pids killed."""
+    return instance_of(name).kill_node(name)
+
+
+def revive_node(name: str) -> None:
+    """Restart the node's slurmd and resume it in Slurm."""
+    instance_of(name).revive_node(name)
