@@ -1,0 +1,607 @@
+"""The lost-time ledger of a run: where the allocated time went, incident by incident.
+
+A pure function of the event log (:func:`build_ledger`); ``hpcelastic status`` prints it and
+``hpcelastic report`` draws it. Definitions:
+
+- **Allocated wall time**: the sum over attempts of attempt end - ``attempt_started``; an attempt ends
+  with its last decision event (``attempt_ended`` and the ``requeued``/``resubmitted``/``job_*`` after
+  it), a running one at ``now``. Time waiting in the queue is not allocated.
+- Each attempt is cut into consecutive **segments**, one phase each; they add up to its wall time:
+  ``startup`` (the first attempt, ``attempt_started`` to the first step), ``productive``,
+  and per incident ``redone`` (training since the last checkpoint or the round's first step,
+  whichever is later, lost at the failure: charged at the time it first took), ``detection``
+  (failure to the coordinator knowing: first ``worker_failed``/``node_lost``), ``teardown`` (to
+  ``root_cause``: every worker stopped; to the attempt end when the attempt ends), ``rendezvous``
+  (to the next ``rendezvous``; after a requeue from ``attempt_started``) and ``restart`` (to the first
+  step of the new round). **Pending** (requeue to the next ``attempt_started``) lies between attempts.
+- The failure time: a worker failure at its ``exit_ts``; a stall at ``exit_ts`` minus the stall
+  timeout; a node loss at ``node_lost`` minus the heartbeat silence its reason names; a preemption or
+  time limit at the first ``signal_received``.
+- **Badput** = allocated - productive, by cause (the incident kind, or ``startup``) and by phase.
+  **Effective training time ratio** (ETTR, as Meta and ByteDance report it) = productive / allocated;
+  ``ettr_wall`` also counts pending time in the denominator.
+- Steps come from ``progress`` events (the coordinator writes them from the workers' heartbeats).
+  In an attempt with progress events, a round without any never reached a step. In an attempt
+  without any, a round's first step is estimated as ``workers_started.spawned_ts`` + the median init
+  time measured in the other attempts (0 when nothing was measured); figures that rest on such an
+  estimate are named in the incident's ``estimated`` and the segment's ``estimated``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpcelastic import events as ev
+from hpcelastic.events import EventLog, Record
+from hpcelastic.reasons import Reason
+
+
+class Phase(str, enum.Enum):
+    """What a stretch of time was spent on."""
+
+    PRODUCTIVE = "productive"
+    STARTUP = "startup"
+    REDONE = "redone"
+    DETECTION = "detection"
+    TEARDOWN = "teardown"
+    RENDEZVOUS = "rendezvous"
+    RESTART = "restart"
+    PENDING = "pending"
+    QUEUED = "queued"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The phases of an incident inside an allocation, in the order they happen (redone work comes first).
+LOST_PHASES = (Phase.REDONE, Phase.DETECTION, Phase.TEARDOWN, Phase.RENDEZVOUS, Phase.RESTART)
+
+
+class IncidentKind(str, enum.Enum):
+    """What interrupted training: the cause that badput is totalled by."""
+
+    WORKER_FAILURE = "worker_failure"
+    NODE_LOSS = "node_loss"
+    STALL = "stall"
+    NODE_UNHEALTHY = "node_unhealthy"
+    PREEMPTION = "preemption"
+    TIME_LIMIT = "time_limit"
+    COORDINATOR_LOST = "coordinator_lost"
+    TOO_FEW_NODES = "too_few_nodes"
+    STARTUP_FAILURE = "startup_failure"
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STARTUP_CAUSE = "startup"
+_END_KIND = {
+    Reason.PREEMPTED: IncidentKind.PREEMPTION,
+    Reason.TIME_LIMIT: IncidentKind.TIME_LIMIT,
+    Reason.NODE_UNHEALTHY: IncidentKind.NODE_UNHEALTHY,
+    Reason.COORDINATOR_LOST: IncidentKind.COORDINATOR_LOST,
+    Reason.TOO_FEW_NODES: IncidentKind.TOO_FEW_NODES,
+    Reason.STARTUP_FAILURE: IncidentKind.STARTUP_FAILURE,
+    Reason.RESTARTS_EXHAUSTED: IncidentKind.WORKER_FAILURE,
+}
+_DECISIONS = (
+    ev.ATTEMPT_ENDED,
+    ev.REQUEUED,
+    ev.RESUBMITTED,
+    ev.REQUEUE_FAILED,
+    ev.REQUEUE_SKIPPED,
+    ev.JOB_SUCCEEDED,
+    ev.JOB_FAILED,
+)
+_SILENCE = re.compile(r"no heartbeat for (?:more than )?([0-9.]+) s")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``[t0, t1)`` spent on ``phase``; ``incident`` indexes :attr:`Ledger.incidents`."""
+
+    t0: float
+    t1: float
+    phase: Phase
+    cause: str
+    attempt: int
+    round: int | None = None
+    incident: int | None = None
+    estimated: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.t1 - self.t0
+
+
+@dataclass
+class Incident:
+    """One interruption of training and the time it cost, split by phase (seconds)."""
+
+    kind: IncidentKind
+    cause: str
+    attempt: int
+    round: int | None
+    t_fail: float
+    detection_s: float = 0.0
+    teardown_s: float = 0.0
+    rendezvous_s: float = 0.0
+    restart_to_first_step_s: float = 0.0
+    redone_work_s: float = 0.0
+    pending_s: float = 0.0
+    estimated: list[str] = field(default_factory=list)
+    recovery: str = "none"  # restart | requeue | none | in_progress
+    redone_steps: int | None = None
+
+    @property
+    def lost_s(self) -> float:
+        """Allocated time lost (pending excluded)."""
+        return (
+            self.detection_s
+            + self.teardown_s
+            + self.rendezvous_s
+            + self.restart_to_first_step_s
+            + self.redone_work_s
+        )
+
+
+@dataclass(frozen=True)
+class RoundSpan:
+    round: int
+    start: float
+    first_step: float | None
+    first_step_estimated: bool
+    world_size: int | None
+
+
+@dataclass(frozen=True)
+class AttemptSpan:
+    attempt: int
+    job_id: str | None
+    start: float
+    end: float
+    end_reason: str | None  # None while running or when no decision was recorded
+    rounds: list[RoundSpan]
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    ts: float
+    step: int | None
+    attempt: int | None
+
+
+@dataclass
+class Ledger:
+    """Where a run's time went; ``to_json`` is what ``status --json`` carries under ``ledger``."""
+
+    attempts: list[AttemptSpan]
+    incidents: list[Incident]
+    segments: list[Segment]
+    checkpoints: list[Checkpoint]
+    allocated_s: float
+    productive_s: float
+    pending_s: float
+    queued_s: float
+    badput_by_cause: dict[str, float]
+    badput_by_phase: dict[str, float]
+    steps_measured: bool
+    init_estimate_s: float
+    notes: list[str]
+
+    @property
+    def badput_s(self) -> float:
+        return self.allocated_s - self.productive_s
+
+    @property
+    def ettr(self) -> float | None:
+        """Effective training time ratio: productive / allocated."""
+        return self.productive_s / self.allocated_s if self.allocated_s > 0 else None
+
+    @property
+    def ettr_wall(self) -> float | None:
+        """Productive / (allocated + pending after requeues)."""
+        total = self.allocated_s + self.pending_s
+        return self.productive_s / total if total > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        out = _plain(asdict(self))
+        out["incidents"] = [{**_plain(asdict(i)), "lost_s": i.lost_s} for i in self.incidents]
+        out.update(badput_s=self.badput_s, ettr=self.ettr, ettr_wall=self.ettr_wall)
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _ts(r: Record | None, key: str = "ts") -> float | None:
+    v = r.get(key) if r is not None else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _failure_text(r: Record) -> str:
+    lines = str(r.get("error") or "").strip().splitlines()
+    last = f": {lines[-1]}" if lines else ""
+    if r.get("rank") is None:
+        return f"{r.get('node')}{last}"
+    how = f"signal {r['signal']}" if r.get("signal") else f"exit code {r.get('exitcode')}"
+    return f"rank {r.get('rank')} on {r.get('node')}, {how}{last}"
+
+
+@dataclass
+class _Failure:
+    """An incident while it is being placed: when the coordinator knew, and when the workers had stopped."""
+
+    incident: Incident
+    detected: float
+    stopped: float | None
+
+
+_PHASE_FIELD = {
+    Phase.DETECTION: "detection_s",
+    Phase.TEARDOWN: "teardown_s",
+    Phase.RENDEZVOUS: "rendezvous_s",
+    Phase.RESTART: "restart_to_first_step_s",
+    Phase.REDONE: "redone_work_s",
+    Phase.PENDING: "pending_s",
+}
+
+
+class _Builder:
+    """Walks the attempts once, cutting each into consecutive segments (see the module docstring)."""
+
+    def __init__(self, log: EventLog, now: float | None) -> None:
+        self.log = log
+        self.now = now
+        self.segments: list[Segment] = []
+        self.incidents: list[Incident] = []
+        self.attempts: list[AttemptSpan] = []
+        self.cursor = self.limit = 0.0
+        self.checkpoints = [
+            Checkpoint(t, r["step"] if isinstance(r.get("step"), int) else None, r.get("attempt"))
+            for r in log.of(ev.CHECKPOINT_PUBLISHED)
+            if (t := _ts(r)) is not None
+        ]
+        self.slices = self._slices()
+        self.steps_measured = bool(log.of(ev.PROGRESS))
+        self.init_s = self._init_estimate()
+
+    # ---- reading ----------------------------------------------------------------------------------
+    def _slices(self) -> list[EventLog]:
+        """The events of each attempt: from its ``attempt_started`` to the next one."""
+        records = list(self.log)
+        starts = [i for i, r in enumerate(records) if r["event"] == ev.ATTEMPT_STARTED and _ts(r) is not None]
+        if not starts:
+            return []
+        ends = [*starts[1:], len(records)]
+        return [EventLog(records[a:b]) for a, b in zip(starts, ends, strict=True)]
+
+    @staticmethod
+    def _measured_first(sl: EventLog, rnd: Any) -> float | None:
+        times = [t for p in sl.of(ev.PROGRESS, round=rnd) if (t := _ts(p, "step_ts")) is not None]
+        return min(times) if times else None
+
+    def _init_estimate(self) -> float:
+        """Median time from ``workers_started`` to the first step, where both are known."""
+        samples = []
+        for sl in self.slices:
+            for w in sl.of(ev.WORKERS_STARTED):
+                first, spawned = self._measured_first(sl, w.get("round")), _ts(w, "spawned_ts")
+                if first is not None and spawned is not None and first >= spawned:
+                    samples.append(first - spawned)
+        return statistics.median(samples) if samples else 0.0
+
+    def _first_step(self, sl: EventLog, rnd: int, rd_ts: float, end: float) -> tuple[float | None, bool]:
+        """When the round reached its first step (None: never), and whether that is an estimate."""
+        measured = self._measured_first(sl, rnd)
+        if measured is not None:
+            return min(max(measured, rd_ts), end), False
+        if sl.of(ev.PROGRESS):  # heartbeats arrived in this attempt, and none in this round
+            return None, False
+        spawned = _ts(sl.first(ev.WORKERS_STARTED, round=rnd), "spawned_ts")
+        if spawned is None:
+            return None, True
+        first = max(spawned + self.init_s, rd_ts)
+        return (first if first < end else None), True
+
+    def _checkpoint_before(self, t: float) -> Checkpoint | None:
+        found = [c for c in self.checkpoints if c.ts <= t]
+        return found[-1] if found else None
+
+    def _round_failure(self, sl: EventLog, rnd: int, rd_ts: float, attempt: int) -> _Failure | None:
+        """The round's ``root_cause`` as an incident: worker failure, stall or node loss."""
+        cause = sl.first(ev.ROOT_CAUSE, round=rnd)
+        if cause is None:
+            return None
+        error = str(cause.get("error") or "")
+        exit_ts = _ts(cause, "exit_ts") or _ts(cause) or rd_ts
+        estimated: list[str] = []
+        detected = sl.first(ev.WORKER_FAILED, round=rnd)
+        if cause.get("rank") is None:  # a whole node: its agent went silent, closed or left
+            kind = IncidentKind.NODE_UNHEALTHY if "unhealthy" in error else IncidentKind.NODE_LOSS
+            lost = [r for r in sl.of(ev.NODE_LOST, node=cause.get("node")) if (_ts(r) or 0.0) >= rd_ts]
+            detected = lost[0] if lost else None
+            silent = _SILENCE.search(str(detected.get("reason")) if detected else error)
+            t_fail = (_ts(detected) or exit_ts) - (float(silent.group(1)) if silent else 0.0)
+        elif error.startswith("stalled"):
+            kind = IncidentKind.STALL
+            silent = _SILENCE.search(error)
+            t_fail = exit_ts - (float(silent.group(1)) if silent else 0.0)
+            if not silent:
+                estimated.append("detection_s")
+        else:
+            kind, t_fail = IncidentKind.WORKER_FAILURE, exit_ts
+        inc = Incident(kind, _failure_text(cause), attempt, rnd, t_fail, estimated=estimated)
+        return _Failure(inc, _ts(detected) or _ts(cause) or t_fail, _ts(cause))
+
+    def _end_failure(
+        self, sl: EventLog, reason: Reason | None, attempt: int, rnd: int | None, since: float, end: float
+    ) -> _Failure:
+        """An attempt that ended badly without a root cause in its last round."""
+        kind = _END_KIND.get(reason, IncidentKind.UNKNOWN) if reason else IncidentKind.UNKNOWN
+        after = [r for r in sl if (_ts(r) or 0.0) >= since]
+        if kind in (IncidentKind.PREEMPTION, IncidentKind.TIME_LIMIT):
+            first = next((r for r in after if r["event"] == ev.SIGNAL_RECEIVED), None)
+            cause = f"{first.get('signal')} received: {reason}" if first else str(reason)
+        else:
+            first = next((r for r in after if r["event"] in (ev.NODE_LOST, ev.WORKER_FAILED)), None)
+            what = (
+                "attempt ended without a recorded decision" if reason is None else f"attempt ended: {reason}"
+            )
+            if first is not None:
+                detail = _failure_text(first) if first["event"] == ev.WORKER_FAILED else first.get("reason")
+                what += (
+                    f" ({first.get('node')}: {detail})" if first["event"] == ev.NODE_LOST else f" ({detail})"
+                )
+            cause = what
+        t_fail = _ts(first)
+        inc = Incident(kind, cause, attempt, rnd, t_fail if t_fail is not None else end)
+        if t_fail is None:
+            inc.estimated.append("t_fail")
+        return _Failure(inc, inc.t_fail, None)
+
+    # ---- writing segments ---------------------------------------------------------------------
+    def emit(self, phase: Phase, until: float, attempt: int, rnd: int | None, cause: str, **kw: Any) -> None:
+        """Charge ``[cursor, until)`` to ``phase``; times out of order (clock skew) are clamped."""
+        until = min(max(until, self.cursor), self.limit)
+        if until > self.cursor:
+            self.segments.append(Segment(self.cursor, until, phase, cause, attempt, rnd, **kw))
+        self.cursor = max(self.cursor, until)
+
+    def charge(
+        self, index: int | None, phase: Phase, until: float, attempt: int, rnd: int | None, est: bool = False
+    ) -> None:
+        """Charge to incident ``index``'s ``phase``, or to ``startup`` when no incident is recovering."""
+        if index is None:
+            self.emit(Phase.STARTUP, until, attempt, rnd, STARTUP_CAUSE, estimated=est)
+        else:
+            kind = str(self.incidents[index].kind)
+            self.emit(phase, until, attempt, rnd, kind, incident=index, estimated=est)
+
+    def _place_failure(
+        self, f: _Failure, first: float | None, est: bool, sl: EventLog, stop: float, attempt: int
+    ) -> int:
+        """Productive, redone, detection and teardown time of one failure; returns the incident's index."""
+        inc = f.incident
+        self.incidents.append(inc)
+        index = len(self.incidents) - 1
+        if first is not None:
+            ckpt = self._checkpoint_before(stop)
+            keep = min(inc.t_fail, max(first, ckpt.ts if ckpt else first))
+            self.emit(Phase.PRODUCTIVE, keep, attempt, inc.round, "productive", estimated=est)
+            if est and (ckpt is None or ckpt.ts < first):
+                inc.estimated.append("redone_work_s")
+            steps = [
+                p["step"]
+                for p in sl.of(ev.PROGRESS, round=inc.round)
+                if isinstance(p.get("step"), int) and (_ts(p, "step_ts") or 0.0) <= inc.t_fail
+            ]
+            if steps and ckpt is not None and ckpt.step is not None:
+                inc.redone_steps = max(0, max(steps) - ckpt.step)
+        redone_est = "redone_work_s" in inc.estimated
+        self.charge(index, Phase.REDONE, inc.t_fail, attempt, inc.round, redone_est)
+        self.charge(index, Phase.DETECTION, f.detected, attempt, inc.round, "detection_s" in inc.estimated)
+        self.charge(index, Phase.TEARDOWN, stop, attempt, inc.round)
+        return index
+
+    # ---- one attempt ------------------------------------------------------------------------------
+    def attempt(self, sl: EventLog, n: int, recovering: int | None) -> int | None:
+        """Cut one attempt into segments; returns the incident the next allocation recovers from."""
+        started, last = sl[0], n == len(self.slices) - 1
+        attempt = started["attempt"] if isinstance(started.get("attempt"), int) else n
+        a_start = float(started["ts"])
+        ended = sl.last(ev.ATTEMPT_ENDED)
+        reason = Reason.parse(ended.get("reason")) if ended else None
+        decided = [t for r in sl.of(*_DECISIONS) if (t := _ts(r)) is not None]
+        seen = [t for r in sl if (t := _ts(r)) is not None]
+        if decided:
+            a_end = max(decided)
+        elif last and self.now is not None:
+            a_end = max(self.now, *seen)
+        else:
+            a_end = max(seen)
+        badly = reason not in (None, Reason.SUCCEEDED) or (reason is None and not last)
+        self.cursor, self.limit = a_start, a_end
+        rounds: list[RoundSpan] = []
+        rdzvs = [r for r in sl.of(ev.RENDEZVOUS) if isinstance(r.get("round"), int) and _ts(r) is not None]
+        for i, rd in enumerate(rdzvs):
+            rnd, rd_ts, final = rd["round"], float(rd["ts"]), i == len(rdzvs) - 1
+            self.charge(recovering, Phase.RENDEZVOUS, rd_ts, attempt, rnd)
+            f = self._round_failure(sl, rnd, rd_ts, attempt)
+            if f is None and final and badly:
+                f = self._end_failure(sl, reason, attempt, rnd, rd_ts, a_end)
+            round_end = min(f.incident.t_fail, a_end) if f else a_end
+            first, est = self._first_step(sl, rnd, rd_ts, round_end)
+            self.charge(recovering, Phase.RESTART, round_end if first is None else first, attempt, rnd, est)
+            if recovering is not None and est and first is not None:
+                self.incidents[recovering].estimated.append("restart_to_first_step_s")
+            rounds.append(RoundSpan(rnd, rd_ts, first, est, rd.get("world_size")))
+            if f is None:
+                self.emit(Phase.PRODUCTIVE, a_end, attempt, rnd, "productive", estimated=est)
+                recovering = None
+                continue
+            stop = a_end if final and reason is not None else (f.stopped or a_end)
+            recovering = self._place_failure(f, first, est, sl, stop, attempt)
+            if not final:
+                self.incidents[recovering].recovery = "restart"
+        if not rdzvs and badly:
+            f = self._end_failure(sl, reason, attempt, None, a_start, a_end)
+            self.charge(recovering, Phase.RENDEZVOUS, f.incident.t_fail, attempt, None)
+            recovering = self._place_failure(f, None, False, sl, a_end, attempt)
+        # A failure with no new round yet: the attempt is still recovering (or it never started training).
+        self.charge(recovering, Phase.RENDEZVOUS, a_end, attempt, None)
+        self.attempts.append(
+            AttemptSpan(
+                attempt, started.get("job_id"), a_start, a_end, ended.get("reason") if ended else None, rounds
+            )
+        )
+        return recovering
+
+    # ---- the whole log ------------------------------------------------------------------------
+    def build(self) -> Ledger:
+        recovering: int | None = None
+        submitted = _ts(self.log.first(ev.SUBMITTED))
+        queued = 0.0
+        if self.slices and submitted is not None:
+            queued = max(0.0, float(self.slices[0][0]["ts"]) - submitted)
+            if queued:
+                self.segments.append(Segment(submitted, submitted + queued, Phase.QUEUED, "queued", -1))
+        for n, sl in enumerate(self.slices):
+            if n:
+                self._pending(recovering, float(sl[0]["ts"]))
+            recovering = self.attempt(sl, n, recovering)
+        if recovering is not None and self.attempts:
+            self._tail(recovering)
+        return self._ledger(queued)
+
+    def _pending(self, recovering: int | None, until: float) -> None:
+        """From the previous attempt's requeue to this ``attempt_started``."""
+        prev = self.attempts[-1]
+        self.cursor, self.limit = prev.end, until
+        if recovering is None:
+            self.emit(Phase.PENDING, until, prev.attempt, None, str(IncidentKind.UNKNOWN))
+            return
+        self.incidents[recovering].recovery = "requeue"
+        self.charge(recovering, Phase.PENDING, until, prev.attempt, None)
+
+    def _tail(self, recovering: int) -> None:
+        """After the last attempt: the job ended, or it waits for its next allocation."""
+        inc, last = self.incidents[recovering], self.attempts[-1]
+        finished = self.log.last(ev.JOB_SUCCEEDED, ev.JOB_FAILED, ev.CANCELLED)
+        if finished is not None and (_ts(finished) or 0.0) >= last.start:
+            return
+        inc.recovery = "in_progress"
+        if last.end_reason is not None and self.now is not None:
+            self.cursor, self.limit = last.end, self.now
+            self.charge(recovering, Phase.PENDING, self.now, last.attempt, None)
+
+    def _ledger(self, queued: float) -> Ledger:
+        by_cause: dict[str, float] = {}
+        by_phase: dict[str, float] = {}
+        productive = allocated = pending = 0.0
+        for s in self.segments:
+            if s.incident is not None and s.phase in _PHASE_FIELD:
+                inc = self.incidents[s.incident]
+                name = _PHASE_FIELD[s.phase]
+                setattr(inc, name, getattr(inc, name) + s.seconds)
+            if s.phase is Phase.PENDING:
+                pending += s.seconds
+            if s.phase in (Phase.PENDING, Phase.QUEUED):
+                continue
+            allocated += s.seconds
+            if s.phase is Phase.PRODUCTIVE:
+                productive += s.seconds
+                continue
+            by_cause[s.cause] = by_cause.get(s.cause, 0.0) + s.seconds
+            by_phase[str(s.phase)] = by_phase.get(str(s.phase), 0.0) + s.seconds
+        notes = []
+        guessed = [a.attempt for a in self.attempts if any(r.first_step_estimated for r in a.rounds)]
+        if guessed:
+            notes.append(
+                f"no progress events in attempt(s) {', '.join(map(str, guessed))} (the workers do not call "
+                f"heartbeat()): first steps are estimated as workers_started + {self.init_s:.1f} s "
+                "(the median init time measured in this run, else 0), redone work as the time since the "
+                "last checkpoint or the round's estimated first step"
+            )
+        for inc in self.incidents:
+            inc.estimated = list(dict.fromkeys(inc.estimated))
+        return Ledger(
+            attempts=self.attempts,
+            incidents=self.incidents,
+            segments=self.segments,
+            checkpoints=self.checkpoints,
+            allocated_s=allocated,
+            productive_s=productive,
+            pending_s=pending,
+            queued_s=queued,
+            badput_by_cause=by_cause,
+            badput_by_phase=by_phase,
+            steps_measured=self.steps_measured,
+            init_estimate_s=self.init_s,
+            notes=notes,
+        )
+
+
+def build_ledger(log: EventLog, now: float | None = None) -> Ledger:
+    """The run's lost-time ledger. ``now`` ends a running attempt (default: its newest event)."""
+    return _Builder(log, now).build()
+
+
+def duration(seconds: float) -> str:
+    """``1 h 02 min``, ``5 min 10 s``, ``12.3 s``."""
+    s = max(0.0, seconds)
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60):02d} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+
+
+def ledger_lines(ledger: Ledger) -> list[str]:
+    """The ledger as text, for ``hpcelastic status`` after the timeline."""
+    if not ledger.attempts:
+        return ["lost-time ledger: no attempt has started yet"]
+    ratio = f"{100 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    wall = f"{100 * ledger.ettr_wall:.1f} %" if ledger.ettr_wall is not None else "n/a"
+    lines = [
+        f"effective training time ratio {ratio}: productive {duration(ledger.productive_s)} of "
+        f"{duration(ledger.allocated_s)} allocated; {wall} counting {duration(ledger.pending_s)} pending",
+    ]
+    if ledger.badput_by_cause:
+        causes = sorted(ledger.badput_by_cause.items(), key=lambda kv: -kv[1])
+        lines.append("badput by cause: " + ", ".join(f"{k} {duration(v)}" for k, v in causes))
+    for i, inc in enumerate(ledger.incidents, 1):
+        parts = [
+            f"{label} {'~' if name in inc.estimated else ''}{duration(getattr(inc, name))}"
+            for label, name in (
+                ("redone", "redone_work_s"),
+                ("detection", "detection_s"),
+                ("teardown", "teardown_s"),
+                ("rendezvous", "rendezvous_s"),
+                ("restart", "restart_to_first_step_s"),
+            )
+        ]
+        where = f"attempt {inc.attempt}" + (f" round {inc.round}" if inc.round is not None else "")
+        pending = f"; pending {duration(inc.pending_s)}" if inc.pending_s else ""
+        lines.append(
+            f"#{i} {inc.kind} ({where}): {inc.cause}; lost {duration(inc.lost_s)} = {', '.join(parts)}"
+            f"{pending}; recovery: {inc.recovery}"
+        )
+    lines += [f"note: {n}" for n in ledger.notes]
+    return lines
