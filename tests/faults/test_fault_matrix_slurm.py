@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from hpcelastic.lifecycle.history import requeue_counts
+from hpcelastic.reasons import RequeueCounter
+from hpcelastic.rundir import RunDir
 from tests.slurm_utils import (
     REPO,
     events,
@@ -193,8 +196,8 @@ def test_time_limit_checkpoints_and_requeues_without_using_the_budget(
     story = finished_ok(tmp_path, job, run, steps=steps, timeout=600)
     requeued = named(events(run), "requeued")
     assert requeued and {r["reason"] for r in requeued} == {"time_limit"}
-    handoff = json.loads((run / "handoff.json").read_text())
-    assert handoff["requeues"]["failure"] == 0 and handoff["requeues"]["time_limit"] == len(requeued)
+    counts = requeue_counts(RunDir(run).events())
+    assert counts[RequeueCounter.FAILURE] == 0 and counts[RequeueCounter.TIME_LIMIT] == len(requeued)
     assert "time_limit" in reasons(story)
 
 
