@@ -5,7 +5,7 @@ Measures, against one CPU worker that imports torch and runs matmuls:
 * CPU (user + system, of the py-spy process) and wall time of one ``py-spy dump``: non-blocking Python-only
   (the periodic progress sample), blocking, and blocking with ``--native`` (the stack taken on a stall);
 * CPU of reading the ``/proc`` counters of the worker and its descendants (in the agent);
-* the cost per worker, as % of one core, at the sampling interval ``stall_timeout / 4``;
+* the cost per worker, as % of one core, at the agent's sampling interval (``max(2 s, stall_timeout / 5)``);
 * the worker's own slowdown while sampled every second (a pausing dump stops it for its duration).
 
 Prints a markdown section and JSON; ``--write`` also writes the ``hang_detection`` section of
@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._results import machine_line, update_section  # noqa: E402
+from hpcelastic.agent.hangwatch import sample_interval  # noqa: E402
 from hpcelastic.hangs import pyspy  # noqa: E402
 from hpcelastic.hangs.progress import sample  # noqa: E402
 
@@ -134,7 +135,7 @@ def measure(dumps: int, window: float) -> dict[str, Any]:
         "counters_cpu_s": counters_s,
         "sample_cpu_s": sample_s,
         "core_pct_at_interval": {
-            str(timeout): 100 * per_sample / (timeout / 4) for timeout in (20, 60, 300, 1800)
+            str(timeout): 100 * per_sample / sample_interval(timeout) for timeout in (10, 60, 300, 1800)
         },
         "min_interval_for_1pct_s": per_sample / 0.01,
         "worker_rate_base": base,
@@ -164,8 +165,8 @@ def markdown(r: dict[str, Any]) -> str:
 | `/proc` counters of the worker and its descendants (in the agent) | {r["counters_cpu_s"] * 1e3:.2f} | |
 
 One progress sample (non-blocking dump + counters) costs {r["sample_cpu_s"] * 1e3:.1f} ms of CPU. At the
-interval `stall_timeout / 4` that is, per worker, as % of one core: {pct}. Below 1 % of a core needs an
-interval of at least {r["min_interval_for_1pct_s"]:.1f} s.
+agent's interval `max(2 s, stall_timeout / 5)` that is, per worker, as % of one core, by stall timeout:
+{pct}. Below 1 % of a core needs an interval of at least {r["min_interval_for_1pct_s"]:.1f} s.
 The worker sampled every second ran at {r["worker_rate_sampled_1s"]:.0f} it/s against
 {r["worker_rate_base"]:.0f} it/s unsampled (mean of a window before and after;
 {r["worker_slowdown_pct_1s"]:+.1f} % slowdown, noise of a shared machine included).

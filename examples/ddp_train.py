@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=-1)
-    p.add_argument("--crash-mode", choices=["exception", "exit", "sigkill"], default="exception")
+    p.add_argument("--crash-mode", choices=["exception", "exit", "sigkill", "rtsig"], default="exception")
     p.add_argument("--hang-at-step", type=int, default=-1, help="rank --crash-rank stops making progress")
     p.add_argument("--out", type=Path, help="rank 0 writes the final parameters and checksum here (JSON)")
     p.add_argument("--timing-dir", type=Path, help="each rank writes its start/init times here")
@@ -102,6 +102,8 @@ def inject_fault(args: argparse.Namespace, step: int, rank: int, restart: int) -
         write_json(args.timing_dir / "crash.json", {"ts": time.time(), "rank": rank, "step": step})
     if args.crash_mode == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.crash_mode == "rtsig":  # a real-time signal, whose default action ends the process
+        os.kill(os.getpid(), signal.SIGRTMIN + 3)
     if args.crash_mode == "exit":
         sys.exit(13)
     raise RuntimeError(f"injected crash at step {step} on rank {rank}")

@@ -96,9 +96,19 @@ def inject(kind: str) -> None:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=False)
         os._exit(14)
     if kind == "kill-agent":
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(agent_pid(), signal.SIGKILL)
         while True:
             time.sleep(1)
+
+
+def agent_pid() -> int:
+    """The node agent: the parent, or the grandparent when a warm fork server started this worker."""
+    parent = os.getppid()
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        if b"forkserver" not in f.read():
+            return parent
+    with open(f"/proc/{parent}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def make_model(seed: int) -> torch.nn.Module:

@@ -45,6 +45,9 @@ class EventName(str, enum.Enum):
     JOB_FAILED = "job_failed"
     CANCELLED = "cancelled"
     PROGRESS = "progress"
+    REPLICA_GROUP_RESTARTING = "replica_group_restarting"
+    REPLICA_GROUP_HEALED = "replica_group_healed"
+    REPLICA_GROUP_DROPPED = "replica_group_dropped"
 
     def __str__(self) -> str:
         return self.value
@@ -73,6 +76,9 @@ JOB_SUCCEEDED = EventName.JOB_SUCCEEDED
 JOB_FAILED = EventName.JOB_FAILED
 CANCELLED = EventName.CANCELLED
 PROGRESS = EventName.PROGRESS
+REPLICA_GROUP_RESTARTING = EventName.REPLICA_GROUP_RESTARTING
+REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
+REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -158,8 +164,23 @@ def rendezvous(
     )
 
 
-def workers_started(*, round: int, world_size: int, spawned_ts: float) -> Event:
-    return _event(WORKERS_STARTED, round=round, world_size=world_size, spawned_ts=spawned_ts)
+def workers_started(
+    *,
+    round: int,
+    world_size: int,
+    spawned_ts: float,
+    spawn: str = "cold",
+    cold_reasons: Mapping[str, str] | None = None,
+) -> Event:
+    """``spawn``: "warm", "cold" or "mixed" over the nodes; ``cold_reasons``: node rank -> why cold."""
+    return _event(
+        WORKERS_STARTED,
+        round=round,
+        world_size=world_size,
+        spawned_ts=spawned_ts,
+        spawn=spawn,
+        cold_reasons=dict(cold_reasons or {}),
+    )
 
 
 def worker_failed(failure: Mapping[str, Any], *, exit_ts: float | None) -> Event:
@@ -185,6 +206,51 @@ def node_unhealthy(*, node: str, gpu: str, reason: str) -> Event:
 def restarting(*, round: int, restart_count: int, max_restarts: int, reason: RestartCause) -> Event:
     return _event(
         RESTARTING, round=round, restart_count=restart_count, max_restarts=max_restarts, reason=reason
+    )
+
+
+# ---- torchft replica groups (hpcelastic.agent.replicas) --------------------------------------------
+def replica_group_restarting(
+    *,
+    group: int,
+    round: int,
+    nodes: Sequence[str],
+    group_restarts: int,
+    max_restarts: int,
+    reason: RestartCause,
+    last_step: int | None,
+) -> Event:
+    """Only replica group ``group`` restarts (on ``nodes``); the other groups keep stepping."""
+    return _event(
+        REPLICA_GROUP_RESTARTING,
+        group=group,
+        round=round,
+        nodes=list(nodes),
+        group_restarts=group_restarts,
+        max_restarts=max_restarts,
+        reason=reason,
+        last_step=last_step,
+    )
+
+
+def replica_group_healed(
+    *, group: int, step: int, peers: Sequence[int], steps_missed: int | None, down_s: float
+) -> Event:
+    """A restarted group stepped again at ``step``: torchft healed it from a live peer group."""
+    return _event(
+        REPLICA_GROUP_HEALED,
+        group=group,
+        step=step,
+        peers=list(peers),
+        steps_missed=steps_missed,
+        down_s=down_s,
+    )
+
+
+def replica_group_dropped(*, group: int, reason: str, remaining: int, min_groups: int) -> Event:
+    """Replica group ``group`` is left out for the rest of the attempt (no nodes or no restarts left)."""
+    return _event(
+        REPLICA_GROUP_DROPPED, group=group, reason=reason, remaining=remaining, min_groups=min_groups
     )
 
 
@@ -225,7 +291,11 @@ def attempt_ended(
     signature: str | None,
     progressed: bool,
     bad_nodes: Sequence[str] = (),
+    action: str | None = None,
+    exclude: Sequence[str] = (),
 ) -> Event:
+    """``action`` is the policy's verdict (``bring_back`` counts the requeue before Slurm is asked);
+    ``exclude`` the nodes the next attempt avoids."""
     return _event(
         ATTEMPT_ENDED,
         attempt=attempt,
@@ -234,6 +304,8 @@ def attempt_ended(
         signature=signature,
         progressed=progressed,
         bad_nodes=list(bad_nodes),
+        action=action,
+        exclude=list(exclude),
     )
 
 
@@ -359,8 +431,9 @@ PROGRESS_INTERVAL_S = 60.0
 def progress(*, attempt: int, round: int, step: int, step_ts: float, mark: ProgressMark, ranks: int) -> Event:
     """Training progress from the workers' heartbeats, written by the coordinator.
 
-    ``step``: the highest step any rank of the round reported so far; ``step_ts``: the worker's
-    time of that heartbeat; ``ranks``: how many ranks have reported a step in this round. ``first``
+    ``step``: the highest step any rank of the round reported so far; ``step_ts``: when that
+    heartbeat reached the node's agent (a local datagram: the worker's time within milliseconds);
+    ``ranks``: how many ranks have reported a step in this round. ``first``
     as soon as the round's first heartbeat arrives, ``periodic`` at most once per
     :data:`PROGRESS_INTERVAL_S`, ``last`` when the round stops (failure, preemption or the end), if
     a step was reported since the previous mark.

@@ -98,7 +98,7 @@ _DECISIONS = (
     ev.JOB_SUCCEEDED,
     ev.JOB_FAILED,
 )
-_SILENCE = re.compile(r"no heartbeat for (?:more than )?([0-9.]+) s")
+_SILENCE = re.compile(r"no (?:heartbeat|progress) for (?:more than )?([0-9.]+) s")
 
 
 @dataclass(frozen=True)

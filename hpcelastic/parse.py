@@ -18,6 +18,10 @@ from hpcelastic.errors import UserError
 ASCII_INT = re.compile(r"[0-9]+")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
+#: The longest grace period: no longer than Slurm's longest lead time (and far below select's ~24.8 days).
+MAX_GRACE_PERIOD_S = MAX_SIGNAL_LEAD_S
+#: Signals no process can catch: as the stop signal they would kill every agent and worker at once.
+UNCATCHABLE_SIGNALS = ("KILL", "STOP")
 AUTO = "auto"
 
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -60,11 +64,21 @@ def signal_name(value: Any) -> str | None:
     return name.removeprefix("SIG") if name in _signal.Signals.__members__ else None
 
 
+def uncatchable(name: str) -> str | None:
+    """Why the signal ``name`` (as :func:`signal_name` gives it) cannot be the stop signal, or None."""
+    if name in UNCATCHABLE_SIGNALS:
+        return f"SIG{name} cannot be caught, so no agent could checkpoint; use USR2 or USR1"
+    return None
+
+
 def parse_signal(value: str | int) -> _signal.Signals:
     """``USR2``, ``SIGUSR2`` or ``12`` -> the signal; :class:`UserError` otherwise."""
     name = signal_name(value)
     if name is None:
         raise UserError(f"--signal {value!r} is not a signal name such as USR2")
+    problem = uncatchable(name)
+    if problem:
+        raise UserError(f"--signal {value!r}: {problem}")
     return _signal.Signals["SIG" + name]
 
 
@@ -74,6 +88,9 @@ def parse_signal_lead(value: str) -> tuple[str, int]:
     sig = signal_name(name)
     if not sep or sig is None or not ASCII_INT.fullmatch(lead.strip()):
         raise UserError(f"--signal {value!r} is not SIG@SECONDS (e.g. --signal USR2@180)")
+    problem = uncatchable(sig)
+    if problem:
+        raise UserError(f"--signal {value!r}: {problem}")
     seconds = int(lead)
     if seconds > MAX_SIGNAL_LEAD_S:
         raise UserError(f"--signal {value!r}: Slurm allows at most {MAX_SIGNAL_LEAD_S} s of lead time")

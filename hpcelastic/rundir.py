@@ -6,21 +6,31 @@ Layout (see docs/ARCHITECTURE.md)::
     <run>/job.sbatch       the rendered batch script, byte for byte what sbatch got
     <run>/config.yaml      the resolved configuration (all layers merged)
     <run>/secret           the job's control-plane secret, mode 0600
-    <run>/events.jsonl     append-only event log, one JSON object per line
+    <run>/events.<host>.jsonl  append-only event log of the writers on one host, one JSON object a line
+    <run>/events.jsonl     the event log of runs written before per-host files (still read)
     <run>/handoff.json     latest published checkpoint, attempt, last end reason
     <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs
     <run>/slurm-<jobid>.out               the batch step's output (--open-mode=append)
 
-Every writer appends whole lines with a single ``write`` on an ``O_APPEND``
-descriptor, so concurrent writers on one node never interleave inside a line.
+Filesystem requirements (a shared filesystem such as NFS, Lustre or GPFS is fine):
+
+* every writer appends whole lines with a single ``write`` on an ``O_APPEND`` descriptor to the
+  file of its own host, so writers never share a file across hosts (``O_APPEND`` is atomic between
+  processes of one host, not between NFS clients); :meth:`RunDir.events` merges the files by ``ts``;
+* once-per-attempt claims create a file with ``O_EXCL`` (atomic on local filesystems and NFSv3+);
+* the handoff lock is an ``O_EXCL`` lock file too, not ``flock`` (node-local or missing on some
+  mounts): a lock whose holder died is broken after :data:`LOCK_STALE_S` seconds (at once on the
+  holder's own host);
+* records are replaced with ``rename``; clocks of the hosts agree to a second or so.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import heapq
 import json
 import os
+import re
 import secrets
 import socket
 import tempfile
@@ -33,6 +43,18 @@ from hpcelastic.errors import UserError
 from hpcelastic.events import Event, EventLog
 
 SECRET_BYTES = 32
+#: A lock file older than this whose holder cannot be checked is taken to be left by a dead holder.
+LOCK_STALE_S = 60.0
+_UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _host_file_name(host: str) -> str:
+    return "events." + (_UNSAFE_IN_NAME.sub("_", host) or "_") + ".jsonl"
+
+
+def _ts_key(record: Any) -> float:
+    ts = record.get("ts") if isinstance(record, dict) else None
+    return float(ts) if isinstance(ts, int | float) and ts == ts else 0.0
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -89,15 +111,16 @@ class RunDir:
     def open(cls, path: str | os.PathLike[str]) -> RunDir:
         """Open an existing run directory; :class:`UserError` if it is not one."""
         rd = cls(path)
-        if not rd.path.is_dir() or not (rd.events_path.exists() or rd.meta_path.exists()):
-            raise UserError(f"{rd.path} is not an hpcelastic run directory (no events.jsonl or meta.json)")
+        if not rd.path.is_dir() or not (rd.event_files() or rd.meta_path.exists()):
+            raise UserError(f"{rd.path} is not an hpcelastic run directory (no event log or meta.json)")
         return rd
 
     meta_path = property(lambda self: self.path / "meta.json")
     script_path = property(lambda self: self.path / "job.sbatch")
     config_path = property(lambda self: self.path / "config.yaml")
     secret_path = property(lambda self: self.path / "secret")
-    events_path = property(lambda self: self.path / "events.jsonl")
+    #: The event file this host appends to.
+    events_path = property(lambda self: self.path / _host_file_name(socket.gethostname()))
     handoff_path = property(lambda self: self.path / "handoff.json")
     logs_path = property(lambda self: self.path / "logs")
 
@@ -129,12 +152,14 @@ class RunDir:
             raise UserError(f"the job secret {self.secret_path} is empty")
         return value
 
-    def record(self, event: Event, *, host: str | None = None) -> dict[str, Any]:
+    def record(self, event: Event, *, host: str | None = None, ts: float | None = None) -> dict[str, Any]:
         """Append one event to ``events.jsonl`` and return the written record.
 
-        ``ts`` (epoch seconds) and ``host`` (this machine unless given) are added.
+        ``ts`` (epoch seconds: now unless given, a queued event keeps its own) and ``host`` (this
+        machine unless given) are added.
         """
-        record: dict[str, Any] = {"ts": round(time.time(), 6), "event": event.name.value}
+        when = time.time() if ts is None else ts
+        record: dict[str, Any] = {"ts": round(when, 6), "event": event.name.value}
         record["host"] = host if host is not None else socket.gethostname()
         record.update(event.fields)
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
@@ -145,28 +170,39 @@ class RunDir:
             os.close(fd)
         return record
 
+    def event_files(self) -> list[Path]:
+        """Every event file of the run: one per host that wrote events, and the older ``events.jsonl``."""
+        return sorted(p for p in self.path.glob("events*.jsonl") if p.is_file())
+
     def events(self) -> EventLog:
-        """The event log in file order; damaged lines (a torn last line, a line that is not an
-        event object) are skipped and counted in ``EventLog.damaged``."""
-        records: list[Any] = []
+        """The event log: each host's file in its order, the files merged by ``ts``.
+
+        Damaged lines (a torn last line, a line that is not an event object) are skipped and
+        counted in ``EventLog.damaged``.
+        """
+        per_file: list[list[dict[str, Any]]] = []
         damaged = 0
-        try:
-            text = self.events_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return EventLog(records)
-        for line in text.splitlines():
-            if not line.strip():
-                continue
+        for path in self.event_files():
             try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                damaged += 1
+                text = path.read_text(errors="replace")
+            except OSError:
                 continue
-            if isinstance(obj, dict) and isinstance(obj.get("event"), str):
-                records.append(obj)
-            else:
-                damaged += 1
-        return EventLog(records, damaged)
+            records = []
+            for line in text.splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    damaged += 1
+                    continue
+                if isinstance(obj, dict) and isinstance(obj.get("event"), str):
+                    records.append(obj)
+                else:
+                    damaged += 1
+            per_file.append(records)
+        merged = per_file[0] if len(per_file) == 1 else list(heapq.merge(*per_file, key=_ts_key))
+        return EventLog(merged, damaged)
 
     def read_meta(self) -> dict[str, Any]:
         """The submission's metadata, or an empty dict if none was written."""
@@ -190,14 +226,33 @@ class RunDir:
 
     @contextlib.contextmanager
     def locked(self, name: str = "run") -> Iterator[None]:
-        """Hold an exclusive ``flock`` on ``<run>/.<name>.lock`` for a read-modify-write."""
-        fd = os.open(self.path / f".{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        """Hold the lock ``<run>/.<name>.excl`` (created with ``O_EXCL``) for a read-modify-write.
+
+        Works where ``flock`` is node-local or missing. A lock left by a dead holder is broken: at
+        once when the holder ran on this host, else after :data:`LOCK_STALE_S` seconds.
+        """
+        path = self.path / f".{name}.excl"
+        token = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}\n"
+        delay = 0.001
+        while True:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                _break_if_stale(path)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                continue
+            try:
+                os.write(fd, token.encode())
+            finally:
+                os.close(fd)
+            break
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                if path.read_text() == token:
+                    path.unlink()
 
     def claim_once(self, key: str) -> bool:
         """Return True for exactly one caller per ``key`` across all processes and nodes.
@@ -215,3 +270,37 @@ class RunDir:
         with os.fdopen(fd, "w") as f:
             f.write(f"{socket.gethostname()} {os.getpid()} {time.time()}\n")
         return True
+
+
+def _break_if_stale(path: Path) -> None:
+    """Remove the lock file ``path`` when its holder is dead (see :meth:`RunDir.locked`)."""
+    try:
+        text = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return
+    host, _, rest = text.partition(" ")
+    pid = rest.split(" ", 1)[0]
+    dead_here = host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
+    if not (dead_here or age > LOCK_STALE_S):
+        return
+    # Rename first: of several processes breaking the same lock, exactly one gets it.
+    stale = path.with_name(f"{path.name}.stale-{os.getpid()}-{secrets.token_hex(4)}")
+    with contextlib.suppress(OSError):
+        os.rename(path, stale)
+        if stale.read_text() == text:
+            stale.unlink()
+        else:  # it was a fresh lock after all: put it back unless someone holds the lock now
+            with contextlib.suppress(OSError):
+                os.link(stale, path)
+            stale.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

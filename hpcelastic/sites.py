@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
-from hpcelastic.parse import MAX_SIGNAL_LEAD_S, is_env_name, parse_time, signal_name
+from hpcelastic.parse import (
+    MAX_GRACE_PERIOD_S,
+    MAX_SIGNAL_LEAD_S,
+    is_env_name,
+    parse_time,
+    signal_name,
+    uncatchable,
+)
 from hpcelastic.resources import data_dir
 
 USER_CONFIG_ENV = "XDG_CONFIG_HOME"
@@ -62,7 +69,8 @@ def _between(low: int, high: int) -> Validator:
 
 
 def _signal_name(value: Any) -> str | None:
-    return None if signal_name(value) else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
+    name = signal_name(value)
+    return uncatchable(name) if name else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
 
 
 def _env_names(value: Mapping[str, Any]) -> str | None:
@@ -127,6 +135,14 @@ SCHEMA: dict[str, Key] = {
         nullable=False,
         option="Job-wide worker restarts.",
     ),
+    "spare_nodes": Key(
+        int,
+        0,
+        "hot spare nodes allocated on top of --nodes; a spare takes a lost node's place (--spare-nodes)",
+        check=_at_least(0),
+        nullable=False,
+        option="Hot spare nodes on top of --nodes.",
+    ),
     "modules": Key(list, [], "environment modules loaded before the job step (`module load X`)", item=str),
     "setup": Key(
         list, [], "shell lines run before the job step (trusted: written by the site admin)", item=str
@@ -134,8 +150,35 @@ SCHEMA: dict[str, Key] = {
     "env": Key(dict, {}, "environment exported to the job step, e.g. NCCL_SOCKET_IFNAME", _env_names, str),
     "rdzv_interface": Key(str, None, "network interface whose address the agents rendezvous on"),
     "rdzv_port": Key(int, None, "fixed TCP port for the agents' coordinator", check=_between(1, 65535)),
+    "warm_start": Key(
+        bool,
+        True,
+        "fork Python workers from a per-node server that has imported torch; false: a new interpreter "
+        "each (--no-warm-start)",
+        nullable=False,
+    ),
     "stall_timeout": Key(
-        int, None, "seconds without a worker heartbeat before a restart", check=_at_least(1)
+        int,
+        None,
+        "seconds without progress on any rank (stacks, I/O, heartbeats) before a hang restarts the job",
+        check=_at_least(1),
+        option="Seconds without progress before a hang is declared.",
+    ),
+    "replica_groups": Key(
+        int,
+        1,
+        "torchft replica groups the nodes are split into; 1: off (--replica-groups)",
+        check=_at_least(1),
+        nullable=False,
+        option="torchft replica groups; a failure restarts only its group.",
+    ),
+    "min_replica_groups": Key(
+        int,
+        1,
+        "fewest replica groups the job goes on with before the job-wide restart (--min-replica-groups)",
+        check=_at_least(1),
+        nullable=False,
+        option="Fewest replica groups to go on with.",
     ),
     "sbatch_directives": Key(list, [], "extra #SBATCH options, e.g. '--mem=0' or '--exclusive'", item=str),
     "python": Key(
@@ -178,7 +221,10 @@ SCHEMA: dict[str, Key] = {
         option="Requeues after failures.",
     ),
     "requeue.grace_period": Key(
-        int, 60, "seconds workers get to checkpoint after the signal", check=_at_least(0)
+        int,
+        60,
+        "seconds workers get to checkpoint after the signal",
+        check=_between(0, MAX_GRACE_PERIOD_S),
     ),
 }
 
@@ -274,7 +320,7 @@ def _check_value(key: Key, value: Any) -> str | None:
     if value is None:
         return None if key.nullable else "must not be empty"
     # bool is an int subclass in Python; YAML's `yes` must not pass as a number.
-    if isinstance(value, bool) or not isinstance(value, key.type):
+    if (isinstance(value, bool) and key.type is not bool) or not isinstance(value, key.type):
         hint = " (quote it: YAML reads an unquoted 4:00:00 as a number)" if key.type is str else ""
         return f"must be {_type_name(key.type())}, not {_type_name(value)} ({value!r}){hint}"
     if key.item is not None:

@@ -15,6 +15,8 @@ from hpcelastic import events
 from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
 from hpcelastic.events import EventLog, EventName
 from hpcelastic.jobs import slurm
+from hpcelastic.ledger import Ledger, build_ledger, ledger_lines
+from hpcelastic.reasons import JobEnd
 from hpcelastic.rundir import RunDir
 
 
@@ -41,10 +43,15 @@ class Status:
     slurm: dict[str, dict[str, str]]
     slurm_error: str | None
     timeline: list[Row] = field(default_factory=list)
+    #: Lines of the event log that were skipped because they are not event objects.
+    damaged_events: int = 0
+    #: Where the run's time went (``hpcelastic/ledger.py``); ``--json`` carries its ``to_json()``.
+    ledger: Ledger | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["timeline"] = [{**asdict(r), "time": format_ts(r.ts)} for r in self.timeline]
+        out["ledger"] = self.ledger.to_json() if self.ledger is not None else None
         return out
 
 
@@ -63,6 +70,8 @@ def _failure(e: Mapping[str, Any]) -> str:
     if e.get("rank") is None:  # a whole node failed (agent lost), not one worker
         return f"node {e.get('node')}" + (f": {error[-1]}" if error else "")
     where = f"rank {e.get('rank')} on {e.get('node')}"
+    if e.get("signal") is None and e.get("exitcode") is None and error:  # still running: a hang or stall
+        return f"{where}: {error[-1]}"
     how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
     return f"{where}, {how}" + (f": {error[-1]}" if error else "")
 
@@ -94,6 +103,25 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
         "restarting",
         f"restart {e.get('restart_count')} of {e.get('max_restarts')}: {e.get('reason')}",
     ),
+    events.REPLICA_GROUP_RESTARTING: lambda e: (
+        f"replica group {e.get('group')} restarting",
+        f"restart {e.get('group_restarts')} of {e.get('max_restarts')} on {_nodes(e.get('nodes'))}: "
+        f"{e.get('reason')} after step {e.get('last_step')}; the other groups go on",
+    ),
+    events.REPLICA_GROUP_HEALED: lambda e: (
+        f"replica group {e.get('group')} back",
+        f"stepping again at step {e.get('step')}, "
+        + (
+            f"healed from group(s) {','.join(map(str, e['peers']))}; {e.get('steps_missed')} step(s) missed"
+            if e.get("peers")
+            else "no peer was running: resumed from its checkpoint"
+        )
+        + f"; {e.get('down_s')} s out",
+    ),
+    events.REPLICA_GROUP_DROPPED: lambda e: (
+        f"replica group {e.get('group')} left out",
+        f"{e.get('reason')}; {e.get('remaining')} group(s) remain (minimum {e.get('min_groups')})",
+    ),
     events.SIGNAL_RECEIVED: lambda e: ("signal received", f"{e.get('signal')} on node {e.get('node_rank')}"),
     events.ATTEMPT_ENDED: lambda e: (
         f"attempt {e.get('attempt')} ended",
@@ -124,7 +152,7 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     ),
     events.CHECKPOINT_REJECTED: lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
 }
-_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED}
+_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED, events.PROGRESS}
 _KNOWN = {str(n) for n in EventName}
 
 
@@ -176,12 +204,14 @@ def _outcome(log: EventLog, latest: slurm.JobState | None) -> str:
     )
     if e is not None and e["event"] == events.JOB_SUCCEEDED:
         return "succeeded"
-    if e is not None and e["event"] == events.JOB_FAILED:
+    if e is not None and e["event"] == events.JOB_FAILED and e.get("reason") != JobEnd.CANCELLED:
         return f"failed ({e.get('reason')})"
-    if e is not None and e["event"] == events.CANCELLED:
+    if e is not None and e["event"] in (events.JOB_FAILED, events.CANCELLED):
         return "cancelled"
     if latest is None:
         return "unknown"
+    if latest.state == "CANCELLED":  # scancelled by hand (pending, or before any decision)
+        return "cancelled"
     if latest.state in slurm.ENDED_STATES:
         return f"ended ({latest.state.lower()})"
     return latest.state.lower()
@@ -214,6 +244,8 @@ def build_status(
         slurm={jid: {"state": s.state, "reason": s.reason, "nodes": s.nodes} for jid, s in states.items()},
         slurm_error=error,
         timeline=timeline(log),
+        damaged_events=log.damaged,
+        ledger=build_ledger(log, now=time.time()),
     )
 
 
@@ -243,4 +275,6 @@ def render_text(st: Status) -> str:
         lines.append(f"{format_ts(r.ts)}  {r.what:<{width}}  {r.details}")
     if not st.timeline:
         lines.append("(no events yet)")
+    if st.ledger is not None:
+        lines += ["", "where the time went:", *(f"  {line}" for line in ledger_lines(st.ledger))]
     return "\n".join(lines)

@@ -44,10 +44,15 @@ ENV_STOP_SIGNAL = "HPCELASTIC_STOP_SIGNAL"
 DEFAULT_STOP_SIGNAL = "USR2"
 DEFAULT_CHECKPOINT_SUBDIR = "checkpoints"
 
+#: How long a rank that reports steps waits for the job's stop step after the signal before it stops anyway.
+STOP_STEP_WAIT_S = 10.0
+
 _stop_requested = threading.Event()
 _handler_signal: int | None = None
 _heartbeat_sock: socket.socket | None = None
 _resume_cache: list[str | None] = []
+_last_step: int | None = None
+_stop_pending_since: float | None = None
 
 
 def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
@@ -166,26 +171,45 @@ def publish_checkpoint(path: str | os.PathLike[str], step: int) -> None:
 
 
 def should_stop() -> bool:
-    """True once a preemption or time-limit signal reached this worker.
+    """True once this rank should save, publish and exit; the job comes back as a new attempt.
 
-    Then save, publish and exit at the next step boundary; the job comes back as a new attempt.
+    After a preemption or time-limit signal the coordinator fixes one stop step for the whole job
+    (the highest step any rank reported + 1 + about one second of steps) and every rank that calls
+    :func:`heartbeat` turns true once its own step reaches it: all ranks stop after the same step.
+    A rank that never called :func:`heartbeat` turns true as soon as the signal or the stop file
+    reaches it; so does one whose stop step has not come :data:`STOP_STEP_WAIT_S` after the signal.
     """
+    global _stop_pending_since
     _install_stop_handler()
-    if _stop_requested.is_set():
-        return True
     stop_file = os.environ.get(ENV_STOP_FILE)
-    if stop_file and os.path.exists(stop_file):
+    if not _stop_requested.is_set():
+        if not (stop_file and os.path.exists(stop_file)):
+            return False
         _stop_requested.set()
+    if _last_step is None or not stop_file:
         return True
-    return False
+    if _stop_pending_since is None:
+        _stop_pending_since = time.monotonic()
+    try:
+        with open(stop_file) as f:
+            text = f.read().strip()
+    except OSError:  # not written yet: wait for the stop step, at most STOP_STEP_WAIT_S
+        return time.monotonic() - _stop_pending_since >= STOP_STEP_WAIT_S
+    if not (text.isascii() and text.isdigit()):
+        return True  # the stop file names no step: stop now
+    return _last_step >= int(text)
 
 
 def heartbeat(step: int) -> None:
-    """Tell the agent this rank reached ``step`` (a non-blocking datagram; a no-op outside the agent)."""
-    global _heartbeat_sock
+    """Tell the agent this rank reached ``step`` (a non-blocking datagram; a no-op outside the agent).
+
+    The step is also what :func:`should_stop` compares with the job's stop step.
+    """
+    global _heartbeat_sock, _last_step
     path = os.environ.get(ENV_HEARTBEAT_SOCKET)
     if not path:
         return
+    _last_step = int(step)
     payload = json.dumps({"rank": rank(), "pid": os.getpid(), "step": int(step), "ts": time.time()}).encode()
     try:
         if _heartbeat_sock is None:

@@ -44,11 +44,10 @@ def wait_job_finished(job_id: str, timeout: float = 300.0) -> dict[str, str]:
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's event log as a list."""
-    path = Path(run_dir) / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's event log as a list (every host's event file, merged as ``hpcelastic status`` does)."""
+    from hpcelastic.rundir import RunDir
+
+    return [dict(e) for e in RunDir(run_dir).events()]
 
 
 def event_names(run_dir: Path) -> list[str]:

@@ -17,15 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcelastic import handoff
-from hpcelastic.agent import messages, protocol
+from hpcelastic.agent import messages
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
 from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.health import GpuHealth
 from hpcelastic.agent.job_state import JobState
+from hpcelastic.agent.lighthouse import replica_state_factory
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, Inbox, NodeRuntime, Timing, Wake, say
 from hpcelastic.agent.spec import AgentSpec
 from hpcelastic.agent.watchdog import Watchdog
-from hpcelastic.agent.workers import WorkerConfig, WorkerGroup
+from hpcelastic.agent.workers import WorkerConfig, WorkerGroup, start_forkserver
 from hpcelastic.env import slurm
 from hpcelastic.env.base import Environment, NodeContext, Rendezvous
 from hpcelastic.errors import UserError
@@ -44,10 +45,18 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     run_dir = rdzv.run_dir
     attempt = begin_attempt(run_dir, ctx, env.environ)
     selector = stack.enter_context(selectors.DefaultSelector())
+    # Started first: the fork server imports torch while the agents meet (agent/forkserver.py).
+    forkserver, cold_reason = start_forkserver(spec.argv, env.worker_environ(), nproc, spec.warm_start)
+    if forkserver is not None:
+        stack.callback(forkserver.close)
     wake = Wake()
     stack.callback(wake.close)
     selector.register(wake.r, selectors.EVENT_READ, "wake")
-    coordinator = host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack) if ctx.is_coordinator else None
+    coordinator = (
+        host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack, attempt=attempt)
+        if ctx.is_coordinator
+        else None
+    )
     inbox = Inbox(wake)
     client = CoordinatorClient(
         "127.0.0.1" if coordinator is not None else rdzv.host,
@@ -61,21 +70,12 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     hello = messages.Hello(node_rank=ctx.node_rank, host=ctx.host, nproc=nproc, pid=os.getpid())
     try:
         client.connect(hello, timeout=spec.rdzv.timeout)
-    except protocol.AuthError as e:
-        raise UserError(
-            f"the coordinator at {rdzv.host}:{rdzv.port} rejected this agent ({e}); every node must read "
-            f"the same secret ({rdzv.run_dir.secret_path} or $HPCELASTIC_SECRET)"
-        ) from None
-    except protocol.ProtocolError as e:
-        raise UserError(f"the coordinator at {rdzv.host}:{rdzv.port} refused this agent: {e}") from None
-    except CoordinatorUnreachable as e:
+    except CoordinatorUnreachable as e:  # refusals included: they are not authenticated (issue 10)
         say(ctx.node_rank, str(e))
-        return end_of_attempt(spec, env.environ, run_dir, attempt, Reason.COORDINATOR_LOST, decides=True)
+        # Not this agent's decision: the coordinator goes on without it, or finalize decides after srun.
+        return end_of_attempt(spec, env.environ, run_dir, attempt, Reason.COORDINATOR_LOST, decides=False)
 
-    tmp = stack.enter_context(
-        tempfile.TemporaryDirectory(prefix="hpcelastic-agent-", ignore_cleanup_errors=True)
-    )
-    hb_path = os.path.join(tmp, "hb.sock")
+    hb_path = heartbeat_socket_path(stack)
     heartbeats = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
     heartbeats.bind(hb_path)
     heartbeats.setblocking(False)
@@ -99,7 +99,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)
-    group = WorkerGroup(cfg, selector, watchdog)
+    group = WorkerGroup(cfg, selector, watchdog, forkserver=forkserver, cold_reason=cold_reason)
     stack.callback(group.stop, RESTART_KILL_GRACE)
     health = GpuHealth.open(ctx.nvml_gpu_ids)
     if health is not None:
@@ -124,17 +124,54 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     return rt
 
 
+#: The longest path a Unix socket address holds (``sun_path`` is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+SOCKET_NAME = "hb.sock"
+
+
+def heartbeat_socket_path(stack: contextlib.ExitStack) -> str:
+    """A fresh private directory for the workers' heartbeat socket; its path fits a socket address.
+
+    ``$TMPDIR`` first; when that path is too long (deep job-specific TMPDIRs), ``/tmp``, then ``/dev/shm``.
+    """
+    default = tempfile.gettempdir()
+    for base in dict.fromkeys((default, "/tmp", "/dev/shm")):
+        # mkdtemp adds 8 random characters to the prefix
+        if len(os.fsencode(os.path.join(base, "hpcelastic-agent-12345678", SOCKET_NAME))) > MAX_SOCKET_PATH:
+            continue
+        try:
+            tmp = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="hpcelastic-agent-", dir=base, ignore_cleanup_errors=True)
+            )
+        except OSError:
+            continue
+        return os.path.join(tmp, SOCKET_NAME)
+    raise UserError(
+        f"no directory for the heartbeat socket: TMPDIR {default} is too long for a socket path and "
+        "/tmp and /dev/shm are not writable; set TMPDIR to a short writable directory"
+    )
+
+
 def node_range(spec: AgentSpec, ctx: NodeContext) -> tuple[int, int]:
-    """The job's node range (``--nodes MIN:MAX``, default: the step's nodes); the step must fit in it."""
-    lo = spec.min_nodes or ctx.num_nodes
-    hi = spec.max_nodes or ctx.num_nodes
-    if ctx.num_nodes > hi:
+    """The job's node range (``--nodes MIN:MAX``, default: the step's nodes less the spares); the step
+    must fit in it plus ``--spare-nodes``."""
+    spares = spec.spare_nodes
+    lo = spec.min_nodes or max(1, ctx.num_nodes - spares)
+    hi = spec.max_nodes or max(1, ctx.num_nodes - spares)
+    if ctx.num_nodes > hi + spares:
         raise UserError(
-            f"{ctx.num_nodes} agents started but --nodes allows at most {hi}; start one agent per node"
+            f"{ctx.num_nodes} agents started but --nodes allows at most {hi} (+ {spares} spare); "
+            "start one agent per node"
         )
     if ctx.num_nodes < lo:
         raise UserError(f"only {ctx.num_nodes} node(s) in this step, fewer than the minimum {lo} of --nodes")
     return lo, hi
+
+
+def round_size(spec: AgentSpec, ctx: NodeContext) -> int:
+    """Nodes each round runs on: the step's nodes less the spares, at most MAX, at least MIN."""
+    lo, hi = node_range(spec, ctx)
+    return max(lo, min(hi, ctx.num_nodes - spec.spare_nodes))
 
 
 def worker_count(spec: AgentSpec, ctx: NodeContext) -> int:
@@ -155,12 +192,15 @@ def host_coordinator(
     min_nodes: int,
     timing: Timing,
     stack: contextlib.ExitStack,
+    *,
+    attempt: int = 0,
 ) -> Coordinator:
     """Start the job's coordinator on this (group rank 0) node's listening socket."""
     assert rdzv.listener is not None, "the environment opens the listener on group rank 0"
     ports = PortReservation()
     stack.callback(ports.release)
-    state = JobState(
+    make_state = JobState if spec.replica_groups < 2 else replica_state_factory(spec, rdzv, stack)
+    state = make_state(
         hosts=ctx.hosts,
         min_nodes=min_nodes,
         max_restarts=spec.max_restarts,
@@ -168,6 +208,8 @@ def host_coordinator(
         new_port=ports.new_port,
         rdzv_timeout=spec.rdzv.timeout,
         stop_timeout=max(RESTART_KILL_GRACE, spec.grace_period),
+        round_size=round_size(spec, ctx),
+        attempt=attempt,
     )
     coordinator = Coordinator(
         rdzv.listener,
@@ -212,8 +254,8 @@ def end_of_attempt(
 ) -> int:
     """This agent's exit code for an attempt that ended with ``reason``.
 
-    The deciding agent (group rank 0, or with the coordinator gone every survivor: ``end_attempt``
-    lets exactly one of them decide) ends the attempt; the others exit with the reason's code.
+    Only the agent hosting the coordinator (group rank 0) ends the attempt; the others exit with the
+    reason's code, and with the coordinator gone ``hpcelastic finalize`` decides after the step.
     """
     if not decides:
         return reason.exit_code

@@ -28,6 +28,16 @@ class CoordinatorUnreachable(Exception):
     """The coordinator did not accept a connection before the deadline."""
 
 
+def _not_served(host: str, port: int, e: protocol.ProtocolError) -> str:
+    """What to say about an answer on the coordinator's port that is no welcome (nothing in it is trusted)."""
+    if isinstance(e, protocol.AuthError):
+        return (
+            f"the program at {host}:{port} rejected this agent or could not prove it knows the job's secret "
+            f"({e}); every node must read the same secret (<run>/secret or $HPCELASTIC_SECRET)"
+        )
+    return f"the program at {host}:{port} is not this job's coordinator or refused this agent ({e})"
+
+
 class CoordinatorClient:
     """Connects, authenticates, then delivers messages to ``on_message`` from its own thread."""
 
@@ -55,8 +65,9 @@ class CoordinatorClient:
     def connect(self, hello: messages.Hello, timeout: float) -> messages.Welcome:
         """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
 
-        Raises :class:`CoordinatorUnreachable`, or :class:`protocol.AuthError` when the coordinator
-        rejects this agent's secret, or :class:`protocol.ProtocolError` when it refuses the agent.
+        Raises :class:`CoordinatorUnreachable` only. A refusal or any answer that is not this job's
+        coordinator (another program on the port, a forged unauthenticated error frame) is retried
+        until ``timeout``: unauthenticated input never ends an agent sooner than an unreachable port.
         """
         deadline = time.monotonic() + timeout
         last_error = "no attempt"
@@ -70,6 +81,8 @@ class CoordinatorClient:
                     return self._handshake(sock, hello, deadline)
                 except _NoChallenge:
                     last_error = f"no challenge within {CHALLENGE_TIMEOUT:g} s of connecting"
+                except protocol.ProtocolError as e:
+                    last_error = _not_served(self.host, self.port, e)
             if time.monotonic() + RETRY_DELAY >= deadline:
                 raise CoordinatorUnreachable(
                     f"cannot reach the coordinator at {self.host}:{self.port} within {timeout:g} s "

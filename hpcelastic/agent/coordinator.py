@@ -5,12 +5,20 @@ so a thousand agents cost a thousand idle sockets and nothing else. Each connect
 (see ``protocol.py``) before it may join. Events are pushed: every report from an agent is handed to
 :class:`~hpcelastic.agent.job_state.JobState`, and its decisions go out at once, one message per
 agent, so control traffic per event is O(nodes). Heartbeats both ways detect a silent node within
-``heartbeat_timeout`` seconds; a closed connection is seen immediately.
+``heartbeat_timeout`` seconds (frames already received are read before a connection is expired); a
+closed connection is seen immediately.
+
+Strangers cost little: at most :data:`MAX_PREAUTH` unauthenticated connections, frames of at most
+:data:`MAX_PREAUTH_FRAME` bytes before authentication, and a listener that backs off when ``accept``
+runs out of descriptors. Events are written by an
+:class:`~hpcelastic.agent.event_writer.EventWriter` thread, so a slow or failing filesystem never
+delays a heartbeat nor ends the control plane.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import secrets
@@ -22,12 +30,22 @@ import time
 from dataclasses import dataclass, field
 
 from hpcelastic.agent import messages, protocol
-from hpcelastic.agent.job_state import Action, JobState, Phase, Record, Say, Send
+from hpcelastic.agent.event_writer import EventWriter
+from hpcelastic.agent.job_state import Action, JobState, Phase, Record, SaveStacks, Say, Send
 from hpcelastic.events import EventName
+from hpcelastic.hangs.store import write_stacks
 from hpcelastic.rundir import RunDir
 
 HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
+#: Connections not yet authenticated, at most; more are closed at once (an agent retries).
+MAX_PREAUTH = 512
+#: The largest frame before authentication (a hello is far smaller): bounds what strangers make us buffer.
+MAX_PREAUTH_FRAME = 8192
+#: Pause of the listener when ``accept`` fails for lack of descriptors or memory, doubled up to the maximum.
+ACCEPT_BACKOFF = 0.05
+MAX_ACCEPT_BACKOFF = 1.0
+_ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: The events an agent may have the coordinator write for it.
 AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY})
 
@@ -37,7 +55,7 @@ class _Conn:
     sock: socket.socket
     nonce: str
     since: float
-    buf: protocol.FrameBuffer = field(default_factory=protocol.FrameBuffer)
+    buf: protocol.FrameBuffer = field(default_factory=lambda: protocol.FrameBuffer(MAX_PREAUTH_FRAME))
     out: bytearray = field(default_factory=bytearray)
     session: protocol.Session | None = None
     node_rank: int | None = None
@@ -103,6 +121,8 @@ class Coordinator:
     ) -> None:
         self.state = state
         self.run_dir = run_dir
+        #: Event writes leave this thread: a slow or failing filesystem never delays heartbeats.
+        self.events = EventWriter(run_dir)
         self._listener = listener
         self._secret = secret
         self._hb_interval = heartbeat_interval
@@ -110,6 +130,10 @@ class Coordinator:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._by_rank: dict[int, _Conn] = {}
+        #: Connections that have not authenticated yet (oldest first).
+        self._preauth: dict[int, _Conn] = {}
+        self._accept_backoff = ACCEPT_BACKOFF
+        self._accept_paused_until: float | None = None
         self._wake_r, self._wake_w = os.pipe()
         self._stop = threading.Event()
         self.finished = threading.Event()
@@ -123,6 +147,10 @@ class Coordinator:
             messages.PreemptSignal: self._on_preempt,
             messages.AgentEvent: self._on_event,
             messages.Leave: self._on_leave,
+            messages.StallReport: self._on_stall_report,
+            messages.StacksReport: self._on_stacks_report,
+            messages.Progress: self._on_progress,
+            messages.StepReport: self._on_step_report,
         }
 
     @property
@@ -145,6 +173,7 @@ class Coordinator:
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        self.events.close(timeout=drain_timeout)
 
     # ---- loop -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -159,6 +188,9 @@ class Coordinator:
                     else:
                         self._service(key.data, mask)
                 now = time.monotonic()
+                if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                    self._accept_paused_until = None
+                    self._sel.register(self._listener, selectors.EVENT_READ, None)
                 if now >= next_hb:
                     next_hb = now + self._hb_interval
                     self._heartbeats(now)
@@ -177,16 +209,36 @@ class Coordinator:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as e:
+                if e.errno in _ACCEPT_RESOURCE_ERRORS:
+                    self._pause_accept()
                 return
+            self._accept_backoff = ACCEPT_BACKOFF
+            if len(self._preauth) >= MAX_PREAUTH:
+                sock.close()  # strangers hold every slot: an agent sees no challenge and connects again
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock=sock, nonce=protocol.new_nonce(), since=time.monotonic())
             conn.last_recv = conn.since
             self._conns[sock.fileno()] = conn
+            self._preauth[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
             challenge = messages.Challenge(conn.nonce, protocol.PROTOCOL_VERSION)
             self._write(conn, protocol.encode_plain(messages.encode(challenge)))
+
+    def _pause_accept(self) -> None:
+        """Out of descriptors (or memory): free the oldest stranger's and stop accepting for a while.
+
+        The listener stays readable while the backlog is full, so retrying at once would spin.
+        """
+        oldest = next(iter(self._preauth.values()), None)
+        if oldest is not None:
+            self._drop(oldest, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(self._listener)
+        self._accept_paused_until = time.monotonic() + self._accept_backoff
+        self._accept_backoff = min(MAX_ACCEPT_BACKOFF, 2 * self._accept_backoff)
 
     def _service(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -194,7 +246,7 @@ class Coordinator:
         if not mask & selectors.EVENT_READ or conn.closing:
             return
         try:
-            data = conn.sock.recv(65536)
+            data = conn.sock.recv(65536 if conn.session is not None else MAX_PREAUTH_FRAME)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -228,6 +280,8 @@ class Coordinator:
             return
         hello = messages.Hello.from_wire(wire)
         conn.session = session
+        conn.buf.max_frame = protocol.MAX_FRAME
+        self._preauth.pop(conn.sock.fileno(), None)
         conn.node_rank = hello.node_rank
         self._by_rank[hello.node_rank] = conn
         actions = self.state.join(hello.node_rank, hello.host, hello.nproc)
@@ -240,7 +294,7 @@ class Coordinator:
             messages.dispatch(self._handlers, msg, conn)
 
     def _on_started(self, msg: messages.Started, conn: _Conn) -> None:
-        self._apply(self.state.started_workers(_rank(conn), msg.round, msg.ts))
+        self._apply(self.state.started_workers(_rank(conn), msg.round, msg.ts, msg.spawn, msg.spawn_reason))
 
     def _on_failed(self, msg: messages.Failed, conn: _Conn) -> None:
         self._apply(self.state.worker_failed(_rank(conn), msg.round, msg.failures))
@@ -257,7 +311,19 @@ class Coordinator:
     def _on_event(self, msg: messages.AgentEvent, conn: _Conn) -> None:
         if msg.event.name in AGENT_EVENTS:
             member = self.state.members.get(_rank(conn))
-            self.run_dir.record(msg.event, host=member.host if member else "")
+            self.events.record(msg.event, host=member.host if member else "")
+
+    def _on_progress(self, msg: messages.Progress, conn: _Conn) -> None:
+        self._apply(self.state.progress(_rank(conn), msg.round, msg.step, msg.ts, msg.ranks))
+
+    def _on_step_report(self, msg: messages.StepReport, conn: _Conn) -> None:
+        self._apply(self.state.step_report(_rank(conn), msg.round, msg.step, msg.rate))
+
+    def _on_stall_report(self, msg: messages.StallReport, conn: _Conn) -> None:
+        self._apply(self.state.stall_report(_rank(conn), msg))
+
+    def _on_stacks_report(self, msg: messages.StacksReport, conn: _Conn) -> None:
+        self._apply(self.state.stacks_report(_rank(conn), msg))
 
     def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
         rank = _rank(conn)
@@ -273,11 +339,25 @@ class Coordinator:
                     if conn is not None:
                         self._send(conn, message)
                 case Record(event):
-                    self.run_dir.record(event)
+                    self.events.record(event)
                 case Say(text):
                     print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
+                case SaveStacks():
+                    threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
             self.finished.set()
+
+    def _save_stacks(self, a: SaveStacks) -> None:
+        """Write a hang's stacks file (off the coordinator thread: the filesystem may be slow)."""
+        try:
+            path = write_stacks(
+                self.run_dir.path, a.attempt, a.round, a.stacks, a.localization, info_by_rank=a.info
+            )
+        except OSError as e:
+            text = f"could not write the stacks of round {a.round}: {e}"
+        else:
+            text = f"hang: {a.localization.summary()}; all stacks in {path}"
+        print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
 
     def _heartbeats(self, now: float) -> None:
         for conn in list(self._conns.values()):
@@ -286,6 +366,9 @@ class Coordinator:
                     self._drop(conn, None)
                 continue
             if now - conn.last_recv > self._hb_timeout:
+                self._service(conn, selectors.EVENT_READ)  # frames that arrived while this loop was busy
+                if conn.closing or time.monotonic() - conn.last_recv <= self._hb_timeout:
+                    continue
                 self._drop(conn, f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)")
                 continue
             self._send(conn, messages.Heartbeat())
@@ -315,10 +398,9 @@ class Coordinator:
             self._sel.modify(conn.sock, events, conn)
 
     def _reject(self, conn: _Conn, error: str, *, auth: bool = False) -> None:
+        # Best effort and never blocking: a peer that does not read cannot stall this loop.
         with contextlib.suppress(OSError):
-            conn.sock.setblocking(True)
-            conn.sock.settimeout(1.0)
-            conn.sock.sendall(protocol.encode_plain(messages.encode(messages.Refusal(error, auth))))
+            conn.sock.send(protocol.encode_plain(messages.encode(messages.Refusal(error, auth))))
         self._drop(conn, error)
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:
@@ -329,9 +411,10 @@ class Coordinator:
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         self._conns.pop(conn.sock.fileno(), None)
-        with contextlib.suppress(OSError):
-            conn.sock.close()
+        self._preauth.pop(conn.sock.fileno(), None)
         if conn.node_rank is not None and self._by_rank.get(conn.node_rank) is conn:
             del self._by_rank[conn.node_rank]
-            if reason is not None:
+            if reason is not None:  # decided (and its events queued) before the peer sees the close
                 self._apply(self.state.lost(conn.node_rank, reason))
+        with contextlib.suppress(OSError):
+            conn.sock.close()

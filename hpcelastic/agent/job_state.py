@@ -7,6 +7,10 @@ a message, a :class:`Record` of an event, a :class:`Say` of a line). The network
 :class:`Phase`: ``rendezvous`` (waiting for the step's nodes) -> ``running`` (a round's workers run) ->
 ``stopping`` (a failure or lost node: every agent stops its workers) -> a new round, or
 ``finished``. ``preempting`` replaces ``stopping`` after a preemption signal.
+
+Hot spares: a round runs on the ``round_size`` lowest joined node ranks; the other agents (the
+spares) join but get no round until a round node is lost, when the next round takes the lowest
+spare in its place, so the world size stays the same while spares last.
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hpcelastic import events
 from hpcelastic.agent import messages
 from hpcelastic.agent.messages import Failure
+from hpcelastic.agent.stop_step import REPORT_TIMEOUT_S, stop_step
 from hpcelastic.events import Event
+from hpcelastic.hangs.localize import Localization, localize
+from hpcelastic.hangs.stacks import ProcessStack, python_traceback, stack_from_json
 from hpcelastic.reasons import Reason, RestartCause
 
 STOP_TIMEOUT_EXTRA = 15.0
+#: How long the coordinator waits for every node's stacks once all ranks stalled.
+STACKS_TIMEOUT = 25.0
 
 
 class Phase(str, enum.Enum):
@@ -61,8 +70,31 @@ class Say:
     text: str
 
 
+@dataclass(frozen=True)
+class SaveStacks:
+    """Write a hang's stacks file (``<run>/stacks/attempt-<K>/round-<R>.json``)."""
+
+    attempt: int
+    round: int
+    stacks: dict[int, ProcessStack]
+    localization: Localization
+    info: dict[int, dict[str, Any]]
+
+
 #: One effect for the server to apply.
-Action = Send | Record | Say
+Action = Send | Record | Say | SaveStacks
+
+
+@dataclass
+class _Hang:
+    """Every node of ``round`` reported stalled: stacks asked for, collected until ``deadline``."""
+
+    round: int
+    deadline: float
+    idle_s: float
+    stacks: dict[int, ProcessStack] = field(default_factory=dict)
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
+    replied: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -98,10 +130,15 @@ class JobState:
         new_port: Callable[[], int],
         rdzv_timeout: float,
         stop_timeout: float = 10.0,
+        round_size: int | None = None,
         now: Callable[[], float] = time.time,
+        attempt: int = 0,
     ) -> None:
         self.hosts = tuple(hosts)
+        self.attempt = attempt
         self.min_nodes = min_nodes
+        #: Nodes a round runs on (the fixed world); the other joined agents are hot spares.
+        self.round_size = len(self.hosts) if round_size is None else round_size
         self.max_restarts = max_restarts
         self.master_addr = master_addr
         self._new_port = new_port
@@ -115,6 +152,8 @@ class JobState:
         self.restart_count = 0
         self.round_nodes: list[int] = []
         self.started: dict[int, float] = {}
+        #: node rank -> (spawn, why cold) of its latest ``started`` report.
+        self.spawns: dict[int, tuple[str, str]] = {}
         self.stopped: set[int] = set()
         self.done: set[int] = set()
         self.failures: list[dict[str, Any]] = []
@@ -123,6 +162,13 @@ class JobState:
         self.lost_hosts: list[str] = []
         self.departed: set[int] = set()
         self.result: messages.Finish | None = None
+        #: After a preemption signal: each round node's (highest step, steps/s) until the stop step is fixed.
+        self.step_reports: dict[int, tuple[int | None, float]] = {}
+        self.step_deadline: float | None = None
+        #: node rank -> (round, report) of its last stall report; a hang being localized.
+        self.stall_reports: dict[int, tuple[int, messages.StallReport]] = {}
+        self.hang: _Hang | None = None
+        self.steps = _RoundSteps()
 
     # ---- membership -------------------------------------------------------------------------
     def join_error(self, node_rank: Any) -> str | None:
@@ -177,9 +223,12 @@ class JobState:
     def _start_round(self) -> list[Action]:
         self.round += 1
         self.phase = Phase.RUNNING
-        self.round_nodes = sorted(self.members)
+        previous = set(self.round_nodes)
+        # The lowest node ranks run; spares (the highest ranks) take the place of lost ones in order.
+        self.round_nodes = sorted(self.members)[: self.round_size]
         self.started, self.stopped, self.done = {}, set(), set()
         self.failures, self.lost_in_round = [], []
+        self.steps = _RoundSteps()
         port = self._new_port()
         world = sum(self.members[n].nproc for n in self.round_nodes)
         hosts = [self.members[n].host for n in self.round_nodes]
@@ -195,6 +244,10 @@ class JobState:
                 )
             )
         ]
+        if previous:
+            promoted = [self.members[n].host for n in self.round_nodes if n not in previous]
+            if promoted:
+                actions.append(Say(f"spare node(s) {', '.join(promoted)} take the place of the lost node(s)"))
         offset = 0
         for group_rank, n in enumerate(self.round_nodes):
             rnd = messages.Round(
@@ -215,15 +268,30 @@ class JobState:
     def _alive_round_nodes(self) -> set[int]:
         return {n for n in self.round_nodes if n in self.members}
 
-    def started_workers(self, node_rank: int, round_: int, ts: float) -> list[Action]:
+    def started_workers(
+        self, node_rank: int, round_: int, ts: float, spawn: str = "cold", spawn_reason: str = ""
+    ) -> list[Action]:
         """An agent spawned its workers; ``workers_started`` once every node has."""
         if round_ != self.round or self.phase is not Phase.RUNNING:
             return []
         self.started[node_rank] = ts
+        self.spawns[node_rank] = (spawn, spawn_reason)
         if set(self.started) >= self._alive_round_nodes():
             world = sum(self.members[n].nproc for n in self._alive_round_nodes())
             spawned = max(self.started.values())
-            return [Record(events.workers_started(round=self.round, world_size=world, spawned_ts=spawned))]
+            how = {self.spawns[n][0] for n in self.started}
+            cold = {str(n): self.spawns[n][1] for n in sorted(self.started) if self.spawns[n][0] == "cold"}
+            return [
+                Record(
+                    events.workers_started(
+                        round=self.round,
+                        world_size=world,
+                        spawned_ts=spawned,
+                        spawn=how.pop() if len(how) == 1 else "mixed",
+                        cold_reasons=cold,
+                    )
+                )
+            ]
         return []
 
     def worker_failed(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
@@ -261,11 +329,65 @@ class JobState:
         self.phase = Phase.PREEMPTING
         self.stopped = set()
         self.deadline = self._now() + self.stop_timeout
+        self.step_reports, self.step_deadline = {}, self._now() + REPORT_TIMEOUT_S
         return [Send(n, messages.Preempt(self.round, signal)) for n in sorted(self.members)]
 
-    def tick(self) -> list[Action]:
-        """Time-driven decisions: rendezvous timeout, agents that never finish stopping."""
+    def step_report(self, node_rank: int, round_: int, step: int | None, rate: float) -> list[Action]:
+        """A round node's highest step after the preemption signal; the stop step once all reported."""
+        if round_ != self.round or self.phase is not Phase.PREEMPTING or self.step_deadline is None:
+            return []
+        self.step_reports[node_rank] = (step, rate)
+        if set(self.step_reports) >= self._alive_round_nodes():
+            return self._fix_stop_step()
+        return []
+
+    def _fix_stop_step(self) -> list[Action]:
+        """Tell every round node the step all ranks stop after (see ``stop_step.py``)."""
+        self.step_deadline = None
+        step = stop_step(self.step_reports.values())
+        text = f"every rank stops after step {step}" if step is not None else "no heartbeats: stop at once"
+        stop = messages.StopAt(self.round, step)
+        return [Say(text), *(Send(n, stop) for n in sorted(self._alive_round_nodes()))]
+
+    def progress(self, node_rank: int, round_: int, step: int, ts: float, ranks: int) -> list[Action]:
+        """An agent's highest step: a ``progress`` event for the round's first step, then at most one per
+        :data:`~hpcelastic.events.PROGRESS_INTERVAL_S`; the round's last step is written when it stops."""
+        if round_ != self.round or self.phase not in (Phase.RUNNING, *_STOPPING):
+            return []
+        st = self.steps
+        st.ranks[node_rank] = ranks
+        if st.step is not None and step <= st.step:
+            return []
+        st.step, st.ts, st.unmarked = step, ts, True
         now = self._now()
+        if st.marked_at is None:
+            return [self._progress_mark(events.ProgressMark.FIRST)]
+        if now - st.marked_at >= events.PROGRESS_INTERVAL_S:
+            return [self._progress_mark(events.ProgressMark.PERIODIC)]
+        return []
+
+    def _progress_mark(self, mark: events.ProgressMark) -> Record:
+        st = self.steps
+        assert st.step is not None
+        st.marked_at, st.unmarked = self._now(), False
+        ranks = sum(st.ranks.values())
+        return Record(
+            events.progress(
+                attempt=self.attempt, round=self.round, step=st.step, step_ts=st.ts, mark=mark, ranks=ranks
+            )
+        )
+
+    def _last_progress(self) -> list[Action]:
+        """The round stops: its last step, if one arrived since the previous mark."""
+        return [self._progress_mark(events.ProgressMark.LAST)] if self.steps.unmarked else []
+
+    def tick(self) -> list[Action]:
+        """Time-driven decisions: rendezvous timeout, agents that never finish stopping, the stop step."""
+        now = self._now()
+        if self.phase is Phase.PREEMPTING and self.step_deadline is not None and now >= self.step_deadline:
+            return self._fix_stop_step()
+        if self.hang is not None and self.hang.round == self.round and now >= self.hang.deadline:
+            return self._declare_hang()
         if self.phase is Phase.RENDEZVOUS and now >= self.deadline:
             if len(self.members) >= self.min_nodes and self.members:
                 missing = ", ".join(self.missing())
@@ -285,6 +407,80 @@ class JobState:
                 actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
             return actions
         return []
+
+    # ---- hangs (no progress anywhere; see hpcelastic.hangs) ---------------------------------------
+    def stall_report(self, node_rank: int, report: messages.StallReport) -> list[Action]:
+        """A node's ranks all stalled (or one moves again); once every round node stalled, ask for stacks."""
+        if report.round != self.round or self.phase is not Phase.RUNNING:
+            return []
+        if self.hang is not None and self.hang.round == self.round:
+            return []
+        self.stall_reports[node_rank] = (report.round, report)
+        alive = self._alive_round_nodes()
+        stalled = {n for n, (r, rep) in self.stall_reports.items() if r == self.round and rep.stalled}
+        if not alive or not stalled >= alive:
+            return []
+        idle = min(self.stall_reports[n][1].idle_s for n in alive)
+        self.hang = _Hang(self.round, self._now() + STACKS_TIMEOUT, idle)
+        return [
+            Say(f"no rank made progress for {idle:g} s: hang; taking every worker's stacks"),
+            *(Send(n, messages.DumpStacks(self.round)) for n in sorted(alive)),
+        ]
+
+    def stacks_report(self, node_rank: int, report: messages.StacksReport) -> list[Action]:
+        """A node's stacks for the hang; localize once every node sent them."""
+        hang = self.hang
+        if hang is None or report.round != hang.round or hang.round != self.round:
+            return []
+        host = self.members[node_rank].host if node_rank in self.members else ""
+        for rank_s, doc in report.stacks.items():
+            rank = int(rank_s)
+            hang.stacks[rank] = stack_from_json(doc)
+            hang.info[rank] = {"node_rank": node_rank, "node": host, "local_rank": doc.get("local_rank")}
+        hang.replied.add(node_rank)
+        if hang.replied >= self._alive_round_nodes():
+            return self._declare_hang()
+        return []
+
+    def _declare_hang(self) -> list[Action]:
+        """Localize across all ranks, save the stacks, fail the root rank(s): the round restarts."""
+        hang = self.hang
+        if hang is None or self.phase is not Phase.RUNNING:
+            return []
+        self.hang = _Hang(hang.round, float("inf"), hang.idle_s)  # declared once per round
+        loc = localize(hang.stacks)
+        now = self._now()
+        base = {"round": self.round, "exitcode": None, "signal": None, "ts": now, "hang": loc.to_json()}
+        stacks_file = f"stacks/attempt-{self.attempt}/round-{self.round}.json"
+        failures: list[dict[str, Any]] = []
+        for rank in loc.root_ranks:
+            info = hang.info.get(rank, {})
+            where = loc.where.get(rank, "?")
+            error = f"stalled: hung at {where}; no progress for {hang.idle_s:g} s ({loc.detail})"
+            failures.append(
+                {
+                    **base,
+                    **info,
+                    "rank": rank,
+                    "error": error,
+                    "traceback": python_traceback(hang.stacks[rank]),
+                    "stacks_file": stacks_file,
+                }
+            )
+        if not failures:
+            failures.append(
+                {
+                    **base,
+                    "rank": None,
+                    "node": "all nodes",
+                    "stacks_file": stacks_file,
+                    "error": f"stalled: no progress for {hang.idle_s:g} s, not localized: {loc.detail}",
+                }
+            )
+        actions: list[Action] = [SaveStacks(self.attempt, self.round, hang.stacks, loc, hang.info)]
+        self.failures.extend(failures)
+        actions += [Record(events.worker_failed(f, exit_ts=now)) for f in failures]
+        return actions + self._begin_stop(RestartCause.WORKER_FAILED)
 
     # ---- internals --------------------------------------------------------------------------
     def _record(self, node_rank: int, failures: Sequence[Failure]) -> list[Action]:
@@ -312,7 +508,7 @@ class JobState:
         elif self.phase is Phase.PREEMPTING:
             return self._finish(Reason.PREEMPTED)
         else:
-            actions = self._root_cause()
+            actions = self._last_progress() + self._root_cause()
         if 0 not in self.members:
             if self.hosts[0] in self.bad_nodes:
                 return actions + self._finish(Reason.NODE_UNHEALTHY, "the coordinator's node is unhealthy")
@@ -366,12 +562,24 @@ class JobState:
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
 
     def _finish(self, reason: Reason, message: str = "") -> list[Action]:
+        last = self._last_progress()
         self.phase = Phase.FINISHED
         # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
         # failed a health check: the next attempt should not be placed on it either.
         bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.lost_hosts]))
         self.result = messages.Finish(reason, message, bad_nodes)
-        return [Send(n, self.result) for n in sorted(self.members)]
+        return [*last, *(Send(n, self.result) for n in sorted(self.members))]
 
 
 _STOPPING = (Phase.STOPPING, Phase.PREEMPTING)
+
+
+@dataclass
+class _RoundSteps:
+    """The highest step reported in the current round and what of it is written as ``progress``."""
+
+    step: int | None = None
+    ts: float = 0.0
+    ranks: dict[int, int] = field(default_factory=dict)
+    marked_at: float | None = None
+    unmarked: bool = False

@@ -50,6 +50,14 @@ class LocalRun:
     grace_period: float | None = None
     stall_timeout: float | None = None
     module: bool = False
+    spare_nodes: int = 0
+    replica_groups: int | None = None
+    min_replica_groups: int | None = None
+
+    @property
+    def agents(self) -> int:
+        """Agents started: MAX of --nodes plus the hot spares."""
+        return self.max_nodes + self.spare_nodes
 
 
 def default_run_dir() -> Path:
@@ -62,12 +70,15 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]
     command = AgentCommand(
         run_dir=run_dir.path,
         nodes=f"{spec.min_nodes}:{spec.max_nodes}",
+        spare_nodes=spec.spare_nodes or None,
         nproc_per_node=spec.nproc,
         max_restarts=spec.max_restarts,
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_timeout=spec.rdzv_timeout,
         stall_timeout=spec.stall_timeout,
         grace_period=spec.grace_period,
+        replica_groups=spec.replica_groups,
+        min_replica_groups=spec.min_replica_groups,
         module=spec.module,
         program=spec.program,
     )
@@ -82,11 +93,11 @@ def start_agents(spec: LocalRun) -> tuple[RunDir, list[subprocess.Popen[bytes]]]
     cmd = agent_command(spec, run_dir, listener.getsockname()[1])
     agents: list[subprocess.Popen[bytes]] = []
     try:
-        for i in range(spec.max_nodes):
+        for i in range(spec.agents):
             env = dict(os.environ)
             env.update(
                 HPCELASTIC_LOCAL_NODE_RANK=str(i),
-                HPCELASTIC_LOCAL_NUM_NODES=str(spec.max_nodes),
+                HPCELASTIC_LOCAL_NUM_NODES=str(spec.agents),
                 HPCELASTIC_RUN_DIR=str(run_dir.path),
             )
             env.pop("HPCELASTIC_COORDINATOR_FD", None)

@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
+import os
 import signal
 import time
 
 from hpcelastic import events
 from hpcelastic.agent import messages
+from hpcelastic.agent.batch_host import batch_shell_dead, beat_path
 from hpcelastic.agent.bootstrap import end_of_attempt
+from hpcelastic.agent.hangwatch import HangWatch
+from hpcelastic.agent.progress import StepReporter
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, NodeRuntime
-from hpcelastic.agent.workers import Worker
+from hpcelastic.agent.stop_step import StepRate, stop_file_text
+from hpcelastic.agent.workers import Worker, parse_heartbeat
+from hpcelastic.env import slurm as slurm_env
 from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
+
+#: How long the end of an attempt waits for the coordinator's queued events to reach the run directory.
+EVENT_FLUSH_TIMEOUT = 10.0
 
 
 class State(enum.Enum):
@@ -44,12 +52,20 @@ class NodeLoop:
         self.preempting = False
         self.stop_deadline: float | None = None
         self.exit_code: int | None = None
+        self.steps = StepReporter()
+        stall_timeout = rt.spec.stall_timeout
+        #: Stall detection from the workers' stacks (no worker API needed); on with --stall-timeout.
+        self.hangs = HangWatch(stall_timeout, rt.inbox.wake.ring) if stall_timeout else None
+        self.step_rate = StepRate()
+        self.steps_reported = False
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
             messages.Preempt: self._on_preempt,
+            messages.StopAt: self._on_stop_at,
             messages.Finish: self._on_finish,
             messages.Lost: self._on_lost,
+            messages.DumpStacks: self._on_dump_stacks,
         }
 
     def run(self) -> int:
@@ -57,7 +73,15 @@ class NodeLoop:
         self._check_health()
         if self.exit_code is None:
             self.rt.client.start()
-            self._loop()
+            if self.hangs is not None:
+                self.hangs.start()
+                if not self.hangs.available:
+                    self.rt.say("no py-spy: hangs are seen from heartbeats only (pip install py-spy)")
+            try:
+                self._loop()
+            finally:
+                if self.hangs is not None:
+                    self.hangs.close()
         assert self.exit_code is not None
         return self.exit_code
 
@@ -82,6 +106,7 @@ class NodeLoop:
                     break
             self._drain_signals()
             self._drain_messages()
+            self._send_stall_report()
             now = time.monotonic()
             if stall_timeout and now >= next_stall:
                 next_stall = now + STALL_CHECK_INTERVAL
@@ -108,7 +133,9 @@ class NodeLoop:
             return
         self.state = State.RUNNING
         spawned = group.start(msg)
-        client.send(messages.Started(msg.round, spawned))
+        if self.hangs is not None:
+            self.hangs.watch(msg.round, [(w.rank, w.proc.pid) for w in group.workers])
+        client.send(messages.Started(msg.round, spawned, group.spawn, group.spawn_reason))
 
     def _on_stop(self, msg: messages.Stop) -> None:
         if self.round is None or msg.round != self.round.round or self.reported_round == self.round.round:
@@ -129,12 +156,49 @@ class NodeLoop:
         self.rt.group.stop(RESTART_KILL_GRACE)
         self.state = State.DONE
         self.rt.say(f"coordinator lost: {msg.reason}; stopping this node's workers")
+        if self._batch_host_died():
+            host = self.rt.ctx.hosts[0]
+            self.rt.say(f"the batch shell on {host} stopped too: its node died; ending the attempt here")
+            end = end_of_attempt(
+                self.rt.spec,
+                self.rt.environ,
+                self.rt.run_dir,
+                self.rt.attempt,
+                Reason.NODE_UNHEALTHY,
+                decides=True,  # end_attempt lets one survivor decide
+                bad_nodes=(host,),
+                progressed=self.rt.group.progressed,
+            )
+            self.exit_code = end
+            return
         self.exit_code = self._end(Reason.COORDINATOR_LOST)
+
+    def _batch_host_died(self) -> bool:
+        """Under Slurm: the batch shell's heartbeat stands still, so nobody runs ``finalize`` after srun."""
+        job_id = self.rt.environ.get("SLURM_JOB_ID")
+        if self.rt.coordinator is not None or not job_id:
+            return False
+        return batch_shell_dead(beat_path(self.rt.run_dir.path, job_id))
+
+    def _on_dump_stacks(self, msg: messages.DumpStacks) -> None:
+        group = self.rt.group
+        if self.hangs is None or self.round is None or msg.round != self.round.round:
+            return
+        workers = [(w.rank, w.local_rank, w.proc.pid) for w in group.running()]
+        self.hangs.dump(msg.round, workers, self.rt.client.send)
+
+    def _send_stall_report(self) -> None:
+        report = self.hangs.take_report() if self.hangs is not None else None
+        if report is None or self.state != State.RUNNING or self.round is None:
+            return
+        if report.round == self.round.round:
+            self.rt.client.send(report)
 
     # ---- workers ----------------------------------------------------------------------------
     def _on_worker_exit(self, worker: Worker) -> None:
         group, client = self.rt.group, self.rt.client
         code = group.reap(worker)
+        self._flush_steps()
         if self.state == State.STOPPING:
             if not group.running():
                 self._finish_preempt_stop()
@@ -150,6 +214,9 @@ class NodeLoop:
 
     def _stop_and_report(self, rnd: messages.Round) -> None:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
+        if self.hangs is not None:
+            self.hangs.unwatch()
+        self._flush_steps()
         group = self.rt.group
         failures = tuple(group.failure(w) for w in group.reap_failed())
         self.state = State.RESTARTING
@@ -169,6 +236,7 @@ class NodeLoop:
             w.exit_ts = time.time()
             error = f"stalled: no heartbeat for more than {stall_timeout:g} s (last step {w.step})"
             failures.append(group.failure(w, error=error))
+        self._flush_steps()
         self.rt.client.send(messages.Failed(self.round.round, tuple(failures)))
         self._stop_and_report(self.round)
 
@@ -178,10 +246,29 @@ class NodeLoop:
                 data = self.rt.heartbeats.recv(4096)
             except (BlockingIOError, InterruptedError):
                 return
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                beat = json.loads(data)
-                step = beat.get("step")
-                self.rt.group.beat(int(beat["rank"]), int(step) if step is not None else None)
+            beat = parse_heartbeat(data)
+            if beat is not None:
+                self.rt.group.beat(*beat)
+                if self.hangs is not None:
+                    self.hangs.heartbeat(*beat)
+                self._report_step(*beat)
+                if beat[1] is not None and self.round is not None:
+                    self.step_rate.beat(self.round.round, beat[1], time.time())
+
+    def _report_step(self, rank: int, step: int | None) -> None:
+        """Forward this node's highest step to the coordinator (few messages: see ``agent/progress.py``)."""
+        if step is None or self.round is None or self.state not in (State.RUNNING, State.STOPPING):
+            return
+        msg = self.steps.beat(self.round.round, rank, step, time.time())
+        if msg is not None:
+            self.rt.client.send(msg)
+
+    def _flush_steps(self) -> None:
+        """Before this node reports its workers failed, stopped or done: the steps not yet forwarded."""
+        self._read_heartbeats()
+        msg = self.steps.flush()
+        if msg is not None:
+            self.rt.client.send(msg)
 
     # ---- signals, preemption, health --------------------------------------------------------
     def _drain_signals(self) -> None:
@@ -200,19 +287,44 @@ class NodeLoop:
         if not self.preempting:
             self.preempting = True
             rt.group.signal_all(rt.spec.stop_signal)
-            with contextlib.suppress(OSError):
-                rt.stop_file.touch(mode=0o600)
             rt.say(f"{signame}: asked the workers to stop (grace {rt.spec.grace_period:g} s)")
         if local:
             rt.client.send(messages.PreemptSignal(signame))
+        self._report_steps()
         if self.state in (State.RUNNING, State.RESTARTING) and self.stop_deadline is None:
             self.state = State.STOPPING
             self.stop_deadline = time.monotonic() + rt.spec.grace_period
             if not rt.group.running():
                 self._finish_preempt_stop()
 
+    def _report_steps(self) -> None:
+        """Once per preemption: this node's highest step and rate, for the coordinator's stop step; without
+        a coordinator to answer, the stop file is written at once (every worker stops at its next check)."""
+        if self.steps_reported or self.round is None:
+            return
+        self.steps_reported = True
+        rate = self.step_rate
+        step = rate.step if rate.round == self.round.round else None
+        if not self.rt.client.send(messages.StepReport(self.round.round, step, rate.rate)):
+            self._write_stop_file(None)
+
+    def _on_stop_at(self, msg: messages.StopAt) -> None:
+        if self.round is not None and msg.round == self.round.round:
+            self._write_stop_file(msg.step)
+
+    def _write_stop_file(self, step: int | None) -> None:
+        """The attempt's stop file, replaced whole (workers never read half of it)."""
+        path = self.rt.stop_file
+        tmp = path.with_name(f".{path.name}.{self.rt.ctx.node_rank}.{os.getpid()}.tmp")
+        with contextlib.suppress(OSError):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(stop_file_text(step))
+            os.replace(tmp, path)
+
     def _finish_preempt_stop(self) -> None:
         """Workers are gone (or the grace period is over): report this node stopped."""
+        self._flush_steps()
         self.stop_deadline = None
         self.rt.group.stop(RESTART_KILL_GRACE)
         rnd = self.round.round if self.round else -1
@@ -252,13 +364,18 @@ class NodeLoop:
     def _end(self, reason: Reason, bad_nodes: tuple[str, ...] = ()) -> int:
         """The exit code for an attempt that ended with ``reason`` (group rank 0 decides how it ends)."""
         rt = self.rt
+        if rt.coordinator is not None:  # the end-of-attempt path reads the events the coordinator wrote
+            rt.coordinator.events.flush(timeout=EVENT_FLUSH_TIMEOUT)
         return end_of_attempt(
             rt.spec,
             rt.environ,
             rt.run_dir,
             rt.attempt,
             reason,
-            decides=rt.coordinator is not None or reason is Reason.COORDINATOR_LOST,
+            # Only the coordinator decides; a cut-off agent leaves. With the coordinator gone, finalize
+            # decides after srun under Slurm; without Slurm (no finalize) the survivors record it.
+            decides=rt.coordinator is not None
+            or (reason is Reason.COORDINATOR_LOST and slurm_env.job_id(rt.environ) is None),
             bad_nodes=bad_nodes,
             progressed=rt.group.progressed,
         )

@@ -95,15 +95,25 @@ class Hello(Message):
 
 @dataclass(frozen=True)
 class Started(Message):
-    """This node's workers of ``round`` are spawned (``ts``: when the last one was)."""
+    """This node's workers of ``round`` are spawned (``ts``: when the last one was).
+
+    ``spawn``: "warm" (forked by the node's fork server) or "cold"; ``spawn_reason``: why cold.
+    """
 
     TAG = "started"
     round: int
     ts: float
+    spawn: str = "cold"
+    spawn_reason: str = ""
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Started:
-        return cls(int(d.get("round", -1)), float(d.get("ts", time.time())))
+        return cls(
+            int(d.get("round", -1)),
+            float(d.get("ts", time.time())),
+            str(d.get("spawn", "cold")),
+            str(d.get("spawn_reason", "")),
+        )
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,22 @@ class PreemptSignal(Message):
 
 
 @dataclass(frozen=True)
+class StepReport(Message):
+    """Answer to :class:`Preempt`: the highest step of this node's workers (None: no heartbeats yet)
+    and their steps per second, from which the coordinator fixes the stop step."""
+
+    TAG = "steps"
+    round: int
+    step: int | None
+    rate: float = 0.0
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> StepReport:
+        step = d.get("step")
+        return cls(int(d["round"]), None if step is None else int(step), float(d.get("rate", 0.0)))
+
+
+@dataclass(frozen=True)
 class Leave(Message):
     """The agent leaves the job (terminated, or its node is unhealthy)."""
 
@@ -167,6 +193,22 @@ class Leave(Message):
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Leave:
         return cls(str(d.get("reason", "left")), bool(d.get("unhealthy")))
+
+
+@dataclass(frozen=True)
+class Progress(Message):
+    """The highest step this node's workers of ``round`` reported (``ts``: the worker's time of that
+    heartbeat) and how many of its ranks have reported one; sent only when the step changed."""
+
+    TAG = "progress"
+    round: int
+    step: int
+    ts: float
+    ranks: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Progress:
+        return cls(int(d["round"]), int(d["step"]), float(d["ts"]), int(d.get("ranks", 1)))
 
 
 @dataclass(frozen=True)
@@ -183,6 +225,45 @@ class AgentEvent(Message):
     def from_wire(cls, d: Mapping[str, Any]) -> AgentEvent:
         fields = {k: v for k, v in dict(d.get("fields", {})).items() if k not in ("ts", "event", "host")}
         return cls(Event(EventName(d["event"]), fields))
+
+
+@dataclass(frozen=True)
+class StallReport(Message):
+    """No local rank made progress for the stall timeout (``stalled``), or one progresses again."""
+
+    TAG = "stall"
+    round: int
+    stalled: bool
+    ranks: tuple[int, ...] = ()
+    idle_s: float = 0.0
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> StallReport:
+        ranks = d.get("ranks", [])
+        if not isinstance(ranks, list):
+            raise TypeError("ranks must be a list")
+        return cls(
+            int(d["round"]), bool(d["stalled"]), tuple(int(r) for r in ranks), float(d.get("idle_s", 0))
+        )
+
+
+@dataclass(frozen=True)
+class StacksReport(Message):
+    """This node's workers' stacks for ``round`` (rank -> ``ProcessStack.to_json()`` plus ``local_rank``)."""
+
+    TAG = "stacks"
+    round: int
+    stacks: Mapping[str, Any]
+
+    def wire(self) -> Wire:
+        return {"t": self.TAG, "round": self.round, "stacks": dict(self.stacks)}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> StacksReport:
+        stacks = d.get("stacks", {})
+        if not isinstance(stacks, dict) or not all(isinstance(v, dict) for v in stacks.values()):
+            raise TypeError("stacks must be an object of objects")
+        return cls(int(d["round"]), stacks)
 
 
 # ---- coordinator -> agent ------------------------------------------------------------------------
@@ -231,11 +312,18 @@ class Round(Message):
     world_size: int
     master_addr: str
     master_port: int
+    #: torchft replica groups (``--replica-groups``): this node's group, the number of groups, the lighthouse.
+    replica_group: int = -1
+    num_replica_groups: int = 0
+    lighthouse: str = ""
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Round:
-        ints = {f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name != "master_addr"}
-        return cls(master_addr=str(d["master_addr"]), **ints)
+        texts = ("master_addr", "lighthouse")
+        ints = {
+            f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name not in texts and f.name in d
+        }
+        return cls(master_addr=str(d["master_addr"]), lighthouse=str(d.get("lighthouse", "")), **ints)
 
 
 @dataclass(frozen=True)
@@ -262,6 +350,32 @@ class Preempt(Message):
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Preempt:
         return cls(int(d.get("round", -1)), str(d.get("signal") or ""))
+
+
+@dataclass(frozen=True)
+class DumpStacks(Message):
+    """Every rank of the round stalled: take every worker's stacks and answer :class:`StacksReport`."""
+
+    TAG = "dump_stacks"
+    round: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> DumpStacks:
+        return cls(int(d["round"]))
+
+
+@dataclass(frozen=True)
+class StopAt(Message):
+    """Every rank stops after ``step`` (None: stop now); the agent writes it into the stop file."""
+
+    TAG = "stop_at"
+    round: int
+    step: int | None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> StopAt:
+        step = d.get("step")
+        return cls(int(d["round"]), None if step is None else int(step))
 
 
 @dataclass(frozen=True)
@@ -298,9 +412,22 @@ def _table(*classes: type[Message]) -> dict[str, type[Message]]:
 
 
 #: What a coordinator accepts from an authenticated agent (``hello`` is read by the handshake).
-FROM_AGENT = _table(Heartbeat, Started, Failed, Stopped, Done, PreemptSignal, Leave, AgentEvent)
+FROM_AGENT = _table(
+    Heartbeat,
+    Started,
+    Failed,
+    Stopped,
+    Done,
+    PreemptSignal,
+    Leave,
+    AgentEvent,
+    Progress,
+    StallReport,
+    StacksReport,
+    StepReport,
+)
 #: What an agent accepts from its coordinator once joined.
-FROM_COORDINATOR = _table(Heartbeat, Round, Stop, Preempt, Finish)
+FROM_COORDINATOR = _table(Heartbeat, Round, Stop, Preempt, StopAt, Finish, DumpStacks)
 
 
 def encode(msg: Message) -> Wire:

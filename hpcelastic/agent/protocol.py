@@ -132,8 +132,10 @@ class Session:
 class FrameBuffer:
     """Incremental splitter of a byte stream into frame payloads (for non-blocking readers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
+        #: Longer frames are refused before they are buffered (small until a connection is authenticated).
+        self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[bytes]:
         """Add received bytes; return the complete payloads now available."""
@@ -141,7 +143,7 @@ class FrameBuffer:
         out: list[bytes] = []
         while len(self._buf) >= _LEN.size:
             (length,) = _LEN.unpack_from(self._buf)
-            if length > MAX_FRAME or length < MAC_LEN:
+            if length > self.max_frame or length < MAC_LEN:
                 raise ProtocolError(f"bad frame length {length}")
             if len(self._buf) < _LEN.size + length:
                 break

@@ -48,6 +48,7 @@ class AgentSpec:
     argv: tuple[str, ...]
     min_nodes: int | None = None
     max_nodes: int | None = None
+    spare_nodes: int = 0
     nproc: int | None = None
     max_restarts: int = DEFAULT_MAX_RESTARTS
     checkpoint_dir: Path | None = None
@@ -57,6 +58,11 @@ class AgentSpec:
     rdzv: BootstrapOptions = field(default_factory=_bootstrap_options)
     requeue_mode: str = DEFAULT_REQUEUE_MODE
     max_requeues: int = DEFAULT_MAX_REQUEUES
+    #: torchft replica groups (agent/replicas.py); 1: off.
+    replica_groups: int = 1
+    min_replica_groups: int = 1
+    #: Fork workers from a fork server that has imported torch (agent/forkserver.py).
+    warm_start: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class AgentCommand:
 
     run_dir: Path | None = None
     nodes: str | None = None
+    spare_nodes: int | None = None
     nproc_per_node: str = AUTO
     max_restarts: int = DEFAULT_MAX_RESTARTS
     checkpoint_dir: Path | None = None
@@ -77,18 +84,21 @@ class AgentCommand:
     grace_period: float | None = None
     requeue_mode: str | None = None
     max_requeues: int | None = None
+    replica_groups: int | None = None
+    min_replica_groups: int | None = None
+    no_warm_start: bool = False
     module: bool = False
     program: tuple[str, ...] = field(default=())
 
     def option_words(self) -> list[str]:
-        """The options, in the documented order, each given one as ``--name VALUE`` (``-m`` alone)."""
+        """The options, in the documented order, each given one as ``--name VALUE`` (flags alone)."""
         words: list[str] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "program" or value is None:
                 continue
-            if f.name == "module":
-                words += ["-m"] if value else []
+            if isinstance(value, bool):
+                words += [option_flag(f.name)] if value else []
             else:
                 words += [option_flag(f.name), _text(value)]
         return words
@@ -115,6 +125,7 @@ class AgentCommand:
             argv=worker_argv(self.program, self.module),
             min_nodes=lo,
             max_nodes=hi,
+            spare_nodes=self.spare_nodes or 0,
             nproc=parse_nproc(self.nproc_per_node),
             max_restarts=self.max_restarts,
             checkpoint_dir=self.checkpoint_dir.absolute() if self.checkpoint_dir else None,
@@ -124,6 +135,9 @@ class AgentCommand:
             rdzv=rdzv,
             requeue_mode=self.requeue_mode or DEFAULT_REQUEUE_MODE,
             max_requeues=DEFAULT_MAX_REQUEUES if self.max_requeues is None else self.max_requeues,
+            replica_groups=self.replica_groups or 1,
+            min_replica_groups=self.min_replica_groups or 1,
+            warm_start=not self.no_warm_start,
         )
 
 

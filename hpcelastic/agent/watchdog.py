@@ -2,10 +2,11 @@
 
 Every worker runs in its own session (its pid is its session id). The agent starts this module as
 a tiny separate process (``python -m hpcelastic.agent.watchdog``) and writes ``+SID``/``-SID`` lines
-to its stdin as workers come and go. The agent holds the only write end of that pipe, so when the
-agent dies for any reason (SIGKILL included) the watchdog reads EOF and SIGKILLs every process still
-in a registered session: the workers and their children, which the workers' own parent-death
-signal would not reach.
+to its stdin as workers come and go, and ``=SOCKET`` for the heartbeat socket named in the workers'
+environment. The agent holds the only write end of that pipe, so when the agent dies for any reason
+(SIGKILL included) the watchdog reads EOF and SIGKILLs every process still in a registered session
+or started with that environment (a worker's child that called ``setsid``): the workers and their
+children, which the workers' own parent-death signal would not reach.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ def session_pids(sids: set[int]) -> list[int]:
             continue
         with contextlib.suppress(OSError):
             if os.getsid(int(name)) in sids:
+                out.append(int(name))
+    return out
+
+
+def marked_pids(markers: set[str]) -> list[int]:
+    """Pids of every process started with ``HPCELASTIC_HEARTBEAT_SOCKET`` set to one of ``markers``.
+
+    The workers' environment names their agent's heartbeat socket, and their descendants inherit
+    it: this finds a worker's child that left the session with ``setsid`` and lost its parent.
+    """
+    wanted = {f"HPCELASTIC_HEARTBEAT_SOCKET={m}".encode() for m in markers}
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError), open(f"/proc/{name}/environ", "rb") as f:
+            if wanted & set(f.read().split(b"\0")):
                 out.append(int(name))
     return out
 
@@ -57,6 +75,10 @@ class Watchdog:
         """Register a worker session."""
         self._write(f"+{sid}\n")
 
+    def mark(self, heartbeat_socket: str) -> None:
+        """Also kill, on the agent's death, every process whose environment names ``heartbeat_socket``."""
+        self._write(f"={heartbeat_socket}\n")
+
     def remove(self, sid: int) -> None:
         """Forget a session whose processes are all gone."""
         self._write(f"-{sid}\n")
@@ -81,17 +103,24 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
     sids: set[int] = set()
+    markers: set[str] = set()
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line[:1] == b"+" and line[1:].isdigit():
             sids.add(int(line[1:]))
         elif line[:1] == b"-" and line[1:].isdigit():
             sids.discard(int(line[1:]))
+        elif line[:1] == b"=" and len(line) > 1:
+            markers.add(os.fsdecode(line[1:]))
     for _ in range(5):
-        if sids and kill_sessions(sids):
-            time.sleep(0.05)
-        else:
+        killed = kill_sessions(sids) if sids else 0
+        for pid in marked_pids(markers) if markers else []:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        if not killed:
             break
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The node's worker processes: spawn with the torchrun environment, tee logs, see exits, kill trees.
 
-Exits are seen as they happen: each worker's ``pidfd`` sits in the agent's selector. Each worker runs
+Exits are seen as they happen: each worker's ``pidfd`` (a pipe where there is none: :func:`exit_fd`)
+sits in the agent's selector. Each worker runs
 in its own session with ``PR_SET_PDEATHSIG`` = SIGKILL (set in the child between fork and exec; it
 fires when the forking *thread* dies, so the agent spawns only from its main thread), and the
-:class:`~hpcelastic.agent.watchdog.Watchdog` kills grandchildren if the agent itself is killed.
+:class:`~hpcelastic.agent.watchdog.Watchdog` kills grandchildren if the agent itself is killed. The
+agent is the child subreaper, and stopping kills the workers' sessions and every descendant that
+carries the workers' environment: a grandchild that called ``setsid`` dies too.
 """
 
 from __future__ import annotations
@@ -27,11 +30,14 @@ from typing import Any, BinaryIO
 import psutil
 
 from hpcelastic import handoff
+from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
 from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PTRACER = 0x59616D61  # "Yama"; EINVAL (ignored) without Yama
 TAIL_LINES = 200
 TRACEBACK_LINES = 60
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -40,6 +46,53 @@ _OUT_LOCK = threading.Lock()
 
 def _child_setup() -> None:  # runs in the child between fork and exec
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Yama ptrace_scope 1: let the agent's py-spy (a sibling) read this worker (hpcelastic.hangs.pyspy).
+    _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(os.getppid()), 0, 0, 0)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL``, or ``SIGRTMIN+3`` for a real-time signal (which ``signal.Signals`` does not name)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        if signal.SIGRTMIN < signum < signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+        return f"signal {signum}"
+
+
+def parse_heartbeat(data: bytes) -> tuple[int, int | None] | None:
+    """(rank, step) from a worker's heartbeat datagram, or None for anything else (never raises)."""
+    try:
+        beat = json.loads(data)
+        if not isinstance(beat, dict):
+            return None
+        rank, step = beat.get("rank"), beat.get("step")
+        if type(rank) is not int or not (step is None or type(step) is int):
+            return None
+        return rank, step
+    except (ValueError, RecursionError):  # not JSON, an integer too long to convert, nested too deeply
+        return None
+
+
+def exit_fd(pid: int) -> int:
+    """A descriptor that turns readable when child ``pid`` exits: its pidfd, else a pipe.
+
+    Without ``pidfd_open`` (kernels before 5.3, seccomp filters) a thread waits for the child with
+    ``waitid(WNOWAIT)`` (the exit status stays for ``Popen.wait``) and then closes the pipe's write end.
+    """
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pass
+    r, w = os.pipe2(os.O_CLOEXEC)
+
+    def wait() -> None:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        os.close(w)
+
+    threading.Thread(target=wait, daemon=True, name=f"exit-watch-{pid}").start()
+    return r
 
 
 @dataclass(frozen=True)
@@ -71,7 +124,7 @@ def worker_env(
 
     ``resume`` is the published checkpoint handed to this round (``HPCELASTIC_RESUME_FROM``).
     """
-    env = {k: v for k, v in cfg.environ.items() if k != AGENT_SECRET_VARIABLE}
+    env = base_env(cfg.environ, cfg.nproc)
     rank = rnd.rank_offset + local_rank
     env.update(
         RANK=str(rank),
@@ -98,17 +151,46 @@ def worker_env(
         HPCELASTIC_STOP_SIGNAL=cfg.stop_signal,
         HPCELASTIC_NODE_RANK=str(cfg.node_rank),
     )
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if cfg.nproc > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
+    if rnd.num_replica_groups:
+        # torchft (hpcelastic.agent.replicas): the group's store is served by the coordinator's agent.
+        env.update(
+            REPLICA_GROUP_ID=str(rnd.replica_group),
+            NUM_REPLICA_GROUPS=str(rnd.num_replica_groups),
+            TORCHFT_LIGHTHOUSE=rnd.lighthouse,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
     if resume:
         env["HPCELASTIC_RESUME_FROM"] = resume
     else:
         env.pop("HPCELASTIC_RESUME_FROM", None)
     return env
+
+
+def base_env(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """What every worker of this node gets before its own variables (and the fork server gets)."""
+    env = {k: v for k, v in environ.items() if k != AGENT_SECRET_VARIABLE}
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start_forkserver(
+    argv: tuple[str, ...], environ: Mapping[str, str], nproc: int, enabled: bool
+) -> tuple[ForkServer | None, str]:
+    """This node's fork server for warm starts (it imports torch now), or (None, why workers start cold)."""
+    if not enabled:
+        return None, "warm starts are off (--no-warm-start)"
+    script, why = warm_script(argv)
+    if script is None:
+        return None, why
+    try:
+        return ForkServer(argv[0], script, base_env(environ, nproc), preexec_fn=_child_setup), ""
+    except OSError as e:
+        return None, f"the fork server did not start: {e}"
 
 
 def read_error_file(path: Path) -> tuple[str, str] | None:
@@ -126,6 +208,8 @@ def read_error_file(path: Path) -> tuple[str, str] | None:
     return None
 
 
+#: torchft's Rust INFO lines (one per quorum and commit): kept in the rank log, not in the job's output.
+_RANK_LOG_ONLY = re.compile(rb"^\S+ \[INFO\] \[torchft::")
 _TORCH_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 
 
@@ -150,7 +234,7 @@ class Worker:
 
     local_rank: int
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | WarmProc
     pidfd: int
     error_file: Path
     started: float
@@ -165,12 +249,25 @@ class WorkerGroup:
     """This node's workers for one round at a time, registered in the agent's selector."""
 
     def __init__(
-        self, cfg: WorkerConfig, selector: selectors.BaseSelector, watchdog: Watchdog, out_fd: int = 1
+        self,
+        cfg: WorkerConfig,
+        selector: selectors.BaseSelector,
+        watchdog: Watchdog,
+        out_fd: int = 1,
+        forkserver: ForkServer | None = None,
+        cold_reason: str = "",
     ):
         self.cfg = cfg
         self._sel = selector
         self._watchdog = watchdog
         self._out_fd = out_fd
+        self._forkserver = forkserver
+        adopt_orphans()
+        watchdog.mark(cfg.heartbeat_socket)
+        #: How the last round's workers were started: "warm" (forked by the fork server) or "cold",
+        #: and why cold (``spawn_reason``).
+        self.spawn = "cold"
+        self.spawn_reason = cold_reason
         self.workers: list[Worker] = []
         self.round: Round | None = None
         #: A worker reported a training step in this attempt (kept when the workers are stopped).
@@ -188,17 +285,10 @@ class WorkerGroup:
             error_file = log_dir / f"error-round{rnd.round}-rank{rank}.json"
             with contextlib.suppress(FileNotFoundError):
                 error_file.unlink()
-            proc = subprocess.Popen(
-                argv,
-                env=worker_env(self.cfg, rnd, local_rank, error_file, resume),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_child_setup,
-            )
+            env = worker_env(self.cfg, rnd, local_rank, error_file, resume)
+            proc, pidfd = self._spawn(argv, env, first=local_rank == 0)
             self._watchdog.add(proc.pid)
-            worker = Worker(local_rank, rank, proc, os.pidfd_open(proc.pid), error_file, time.time())
+            worker = Worker(local_rank, rank, proc, pidfd, error_file, time.time())
             worker.reader = threading.Thread(
                 target=self._tee, args=(worker,), daemon=True, name=f"tee-rank{rank}"
             )
@@ -206,6 +296,41 @@ class WorkerGroup:
             self._sel.register(worker.pidfd, selectors.EVENT_READ, ("worker", worker))
             self.workers.append(worker)
         return time.time()
+
+    def _spawn(
+        self, argv: tuple[str, ...], env: dict[str, str], first: bool
+    ) -> tuple[subprocess.Popen[bytes] | WarmProc, int]:
+        """One worker and the descriptor that turns readable at its exit: forked warm when possible."""
+        server = self._forkserver
+        if first:
+            self.spawn = "cold"
+            if server is not None and not server.ready():
+                self.spawn_reason = f"fork server: {server.problem}"
+                server = self._forkserver = None
+        elif self.spawn == "cold":
+            server = None
+        if server is not None:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            try:
+                pid, pidfd = server.spawn(list(argv[2:]), env, w, list(argv), os.getpid())
+            except ForkServerError as e:
+                os.close(r)
+                self.spawn, self.spawn_reason = "cold", f"fork server: {e}"
+            else:
+                self.spawn, self.spawn_reason = "warm", ""
+                return WarmProc(server, pid, open(r, "rb")), pidfd
+            finally:
+                os.close(w)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
+        return proc, exit_fd(proc.pid)
 
     def running(self) -> list[Worker]:
         """Workers that have not exited yet."""
@@ -238,7 +363,7 @@ class WorkerGroup:
         if worker.reader is not None:
             worker.reader.join(timeout=1.0)
         code = worker.proc.returncode
-        sig = signal.Signals(-code).name if code is not None and code < 0 else None
+        sig = signal_name(-code) if code is not None and code < 0 else None
         found = read_error_file(worker.error_file) or traceback_from_tail(list(worker.tail))
         if error is None:
             how = f"killed by {sig}" if sig else f"exited with code {code}"
@@ -265,17 +390,17 @@ class WorkerGroup:
         sids = {w.proc.pid for w in self.workers}
         if not sids:
             return
-        self._signal_sessions(sids, signal.SIGTERM)
+        self._signal_tree(sids, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for w in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        if any(w.proc.poll() is None for w in self.workers) or session_pids(sids):
-            self._signal_sessions(sids, signal.SIGKILL)
+        if any(w.proc.poll() is None for w in self.workers) or self._tree(sids):
+            self._signal_tree(sids, signal.SIGKILL)
             for w in self.workers:
                 w.proc.wait()
-            others = [p for p in _processes(session_pids(sids))]
-            psutil.wait_procs(others, timeout=2.0)
+            others = [p for p in _processes(self._tree(sids))]
+            psutil.wait_procs(others, timeout=2.0)  # reaps the orphans this agent adopted
         for w in self.workers:
             if w.exit_ts is None:
                 w.exit_ts = time.time()
@@ -302,8 +427,17 @@ class WorkerGroup:
         now = time.monotonic()
         return [w for w in self.running() if w.last_beat is not None and now - w.last_beat > timeout]
 
-    def _signal_sessions(self, sids: set[int], sig: int) -> None:
-        for pid in session_pids(sids):
+    def _tree(self, sids: set[int]) -> list[int]:
+        """Every process of the workers' trees: their sessions, and descendants that left them.
+
+        A worker's child that called ``setsid`` leaves the session; with this agent as the child
+        subreaper it stays a descendant even when its parent dies, and it carries the workers'
+        environment (their heartbeat socket names this agent's workers alone).
+        """
+        return sorted(set(session_pids(sids)) | set(marked_descendants(self.cfg.heartbeat_socket)))
+
+    def _signal_tree(self, sids: set[int], sig: int) -> None:
+        for pid in self._tree(sids):
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
 
@@ -337,8 +471,25 @@ def _copy_lines(
         log.write(line)
         log.flush()
         tail.append(line.decode(errors="replace").rstrip("\n"))
+        if _RANK_LOG_ONLY.match(line):
+            continue
         with _OUT_LOCK, contextlib.suppress(OSError):
             os.write(out_fd, prefix + line)
+
+
+def adopt_orphans() -> None:
+    """Become the child subreaper: orphaned descendants (a worker's setsid child) are re-parented here."""
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def marked_descendants(heartbeat_socket: str) -> list[int]:
+    """Descendants of this process started with ``HPCELASTIC_HEARTBEAT_SOCKET=heartbeat_socket``."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("HPCELASTIC_HEARTBEAT_SOCKET") == heartbeat_socket:
+                found.append(p.pid)
+    return found
 
 
 def _processes(pids: list[int]) -> list[psutil.Process]:

@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("hpcelastic.cli.agent_cmd", "run", "Run N node agents on this machine, without Slurm."),
     "agent": ("hpcelastic.cli.agent_cmd", "agent", "Node agent: run inside an allocation, once per node."),
     "status": ("hpcelastic.cli.status_cmd", "status", "Show what happened to a run, as a timeline."),
+    "report": ("hpcelastic.cli.report_cmd", "report", "Write an HTML page of where a run's time went."),
     "logs": ("hpcelastic.cli.status_cmd", "logs", "Show a run's worker logs."),
     "cancel": ("hpcelastic.cli.status_cmd", "cancel", "Cancel a run's current Slurm job."),
     "finalize": (

@@ -25,7 +25,7 @@ from hpcelastic.agent.spec import (
 )
 from hpcelastic.env.base import BootstrapOptions
 from hpcelastic.errors import UserError
-from hpcelastic.parse import AUTO, parse_nodes, parse_nproc
+from hpcelastic.parse import AUTO, MAX_GRACE_PERIOD_S, parse_nodes, parse_nproc
 
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 _PROGRAM = click.argument("program", nargs=-1, type=click.UNPROCESSED)
@@ -39,6 +39,9 @@ def _default(value: Any) -> str:
 @click.command(context_settings=_CONTEXT)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Run directory (required under Slurm).")
 @click.option("--nodes", help="N or MIN:MAX; default: the nodes of the step.")
+@click.option(
+    "--spare-nodes", type=click.IntRange(min=0), help="Of the step's nodes, this many are hot spares."
+)
 @click.option("--nproc-per-node", default=AUTO, show_default=True, help="Workers per node, or 'auto' (GPUs).")
 @click.option(
     "--max-restarts",
@@ -48,21 +51,19 @@ def _default(value: Any) -> str:
     help="Job-wide budget.",
 )
 @click.option("--checkpoint-dir", type=click.Path(path_type=Path), help="Default: RUN/checkpoints.")
-@click.option("--rdzv-endpoint", help="HOST:PORT of the coordinator (overrides the derived one).")
-@click.option(
-    "--rdzv-port", type=click.IntRange(1, 65535), help="Coordinator port (default: from the job id)."
-)
+@click.option("--rdzv-endpoint", help="HOST:PORT of the coordinator (overrides the published one).")
+@click.option("--rdzv-port", type=click.IntRange(1, 65535), help="Coordinator port (default: a free one).")
 @click.option("--rdzv-interface", help="Network interface whose address workers use as MASTER_ADDR.")
 @click.option(
     "--rdzv-timeout",
     type=click.FloatRange(min=1),
     help="Rendezvous time-out." + _default(BootstrapOptions.timeout),
 )
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Fail a worker silent for this long.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
 @click.option("--signal", help="Preemption signal." + _default(DEFAULT_SIGNAL))
 @click.option(
     "--grace-period",
-    type=click.FloatRange(min=0),
+    type=click.FloatRange(min=0, max=MAX_GRACE_PERIOD_S),
     help="Seconds to checkpoint." + _default(DEFAULT_GRACE_PERIOD),
 )
 @click.option(
@@ -73,6 +74,9 @@ def _default(value: Any) -> str:
     type=click.IntRange(min=0),
     help="Requeues after failures." + _default(DEFAULT_MAX_REQUEUES),
 )
+@click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
+@click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
+@click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def agent(**params: Any) -> None:
@@ -93,22 +97,37 @@ def agent(**params: Any) -> None:
 @click.option(
     "--nodes", default="1", show_default=True, help="N agents (or MIN:MAX: MAX agents, MIN to go on)."
 )
+@click.option(
+    "--spare-nodes", type=click.IntRange(min=0), default=0, help="Hot spare agents on top of --nodes."
+)
 @click.option("--nproc-per-node", default=AUTO, show_default=True, help="Workers per agent, or 'auto'.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Default: ./hpcelastic-runs/local-<stamp>.")
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Fail a worker silent for this long.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
 @click.option("--rdzv-timeout", type=click.FloatRange(min=1), default=LOCAL_RDZV_TIMEOUT, show_default=True)
-@click.option("--grace-period", type=click.FloatRange(min=0), default=LOCAL_GRACE_PERIOD, show_default=True)
+@click.option(
+    "--grace-period",
+    type=click.FloatRange(min=0, max=MAX_GRACE_PERIOD_S),
+    default=LOCAL_GRACE_PERIOD,
+    show_default=True,
+)
+@click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
+@click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
+@click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def run(
     nodes: str,
+    spare_nodes: int,
     nproc_per_node: str,
     max_restarts: int,
     run_dir: Path | None,
     stall_timeout: float | None,
     rdzv_timeout: float,
     grace_period: float,
+    replica_groups: int | None,
+    min_replica_groups: int | None,
+    no_warm_start: bool,
     module: bool,
     program: tuple[str, ...],
 ) -> None:
@@ -125,6 +144,14 @@ def run(
     worker_argv(program, module)
     if run_dir is not None and run_dir.exists():
         raise UserError(f"run directory {run_dir} already exists; pick a new one with --run-dir")
+    if replica_groups or min_replica_groups:
+        from hpcelastic.agent.replicas import check_groups
+
+        problem = check_groups(hi, replica_groups or 1, min_replica_groups or 1)
+        if problem:
+            raise UserError(problem)
+        if stall_timeout:
+            raise UserError("--stall-timeout does not work with --replica-groups yet; leave one out")
     spec = LocalRun(
         min_nodes=lo,
         max_nodes=hi,
@@ -136,5 +163,9 @@ def run(
         grace_period=grace_period,
         stall_timeout=stall_timeout,
         module=module,
+        spare_nodes=spare_nodes,
+        replica_groups=replica_groups,
+        min_replica_groups=min_replica_groups,
+        agent_args=("--no-warm-start",) if no_warm_start else (),
     )
     sys.exit(run_local(spec))

@@ -51,6 +51,12 @@ def status(target: str | None, as_json: bool) -> None:
         click.echo(json.dumps(st.to_json(), indent=2, default=str))
         return
     click.echo(render_text(st))
+    if st.damaged_events:
+        click.echo(
+            f"hpcelastic: warning: skipped {st.damaged_events} damaged line(s) of "
+            f"{Path(st.run_dir) / 'events.jsonl'} (not event objects); the timeline shows the rest",
+            err=True,
+        )
     if st.slurm_error:
         click.echo(
             f"hpcelastic: warning: could not ask Slurm ({st.slurm_error}); the timeline is still complete",

@@ -7,6 +7,7 @@ file, each with a ``detect()`` classmethod that looks only at environment variab
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import socket
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from hpcelastic.errors import UserError
+from hpcelastic.errors import PortTaken, UserError
 from hpcelastic.rundir import RunDir
 
 
@@ -192,6 +193,11 @@ def listen(host: str, port: int, backlog: int = 4096) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortTaken(
+                f"cannot listen on {host or '*'}:{port} for the coordinator: another program holds the port; "
+                "the attempt ends as coordinator_lost (requeued), or pick a port with --rdzv-port"
+            ) from None
         raise UserError(
             f"cannot listen on {host or '*'}:{port} for the coordinator ({e.strerror}); "
             "pick a port with --rdzv-port"

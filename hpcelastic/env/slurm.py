@@ -4,15 +4,23 @@ Every ``SLURM_*`` variable hpcelastic reads is in one table (:data:`VARIABLES`, 
 read into one typed record (:class:`SlurmFacts`); nothing outside ``env/`` reads them.
 
 Hostlists are expanded with python-hostlist, never with ``scontrol``. The coordinator runs on the
-step's first node at a port derived from the job id and restart count, so every agent can compute
-the endpoint on its own; ``--rdzv-endpoint``/``--rdzv-port`` override it.
+step's first node, listens on a free port (or ``--rdzv-port``) and publishes the address it really
+listens on in the run directory (:func:`coordinator_file`, one file per job id and restart count,
+written atomically); the other agents read it there and never resolve a Slurm node name (NodeName
+need not be in DNS). A coordinator that cannot start publishes its error instead, so every agent
+ends within seconds with the same line. ``--rdzv-endpoint`` overrides all of this.
 """
 
 from __future__ import annotations
 
-import zlib
+import contextlib
+import json
+import os
+import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import get_args, get_type_hints
 
 import hostlist
@@ -27,13 +35,15 @@ from hpcelastic.env.base import (
     parse_endpoint,
     require_run_dir,
     resolve_secret,
+    routable_address,
     visible_gpus,
 )
-from hpcelastic.errors import UserError
+from hpcelastic.errors import PortTaken, UserError
 from hpcelastic.parse import ASCII_INT
+from hpcelastic.rundir import RunDir, write_json_atomic
 
-PORT_BASE = 20000
-PORT_SPAN = 10000
+#: How often an agent looks for the coordinator's address file while it waits.
+ADDRESS_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -144,12 +154,6 @@ def nvml_gpu_ids(facts: SlurmFacts, visible: tuple[str, ...]) -> tuple[str, ...]
     return visible
 
 
-def derived_port(job_id: str | None, restart_count: int) -> int:
-    """The coordinator port every agent of one job attempt computes alike (20000-29999)."""
-    key = f"{job_id or 'nojob'}:{restart_count}".encode()
-    return PORT_BASE + zlib.crc32(key) % PORT_SPAN
-
-
 class SlurmEnvironment(Environment):
     """Inside an ``srun`` step, one task per node."""
 
@@ -200,10 +204,78 @@ class SlurmEnvironment(Environment):
         secret = resolve_secret(run_dir, self.environ)
         if opts.endpoint:
             host, port = parse_endpoint(opts.endpoint)
-        else:
-            host, port = ctx.hosts[0], opts.port or derived_port(ctx.job_id, ctx.restart_count)
-        master = interface_address(opts.interface) if opts.interface and ctx.is_coordinator else host
-        listener = listen("", port) if ctx.is_coordinator else None
-        return Rendezvous(
-            host=host, port=port, secret=secret, run_dir=run_dir, master_addr=master, listener=listener
-        )
+            check_resolves(host)
+            master = interface_address(opts.interface) if opts.interface and ctx.is_coordinator else host
+            listener = listen("", port) if ctx.is_coordinator else None
+            return Rendezvous(host, port, secret, run_dir, master, listener)
+        path = coordinator_file(run_dir, ctx.job_id, ctx.restart_count)
+        if not ctx.is_coordinator:
+            host, port = wait_for_coordinator(path, opts.timeout)
+            return Rendezvous(host, port, secret, run_dir, host)
+        try:
+            address = coordinator_address(ctx.host, opts.interface)
+            listener = listen("", opts.port or 0)
+        except (UserError, PortTaken) as e:
+            publish_coordinator(path, {"error": str(e), "exit_code": e.exit_code, "node": ctx.host})
+            raise
+        port = listener.getsockname()[1]
+        publish_coordinator(path, {"host": address, "port": port, "node": ctx.host, "pid": os.getpid()})
+        return Rendezvous(address, port, secret, run_dir, address, listener)
+
+
+def coordinator_file(run_dir: RunDir, job_id: str | None, restart_count: int) -> Path:
+    """Where group rank 0 publishes the coordinator's address for one allocation (job id + restart count)."""
+    return run_dir.path / f"coordinator-{job_id or 'nojob'}-{restart_count}.json"
+
+
+def check_resolves(host: str) -> None:
+    """:class:`UserError` when ``host`` is a name that does not exist (a lookup that may succeed later,
+    EAI_AGAIN, passes: the connection is retried)."""
+    try:
+        socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            raise UserError(
+                f"the rendezvous host {host!r} does not resolve ({e.strerror}); give an address or a "
+                "name in DNS with --rdzv-endpoint, or leave it out (the agents then read the coordinator's "
+                "address from the run directory)"
+            ) from None
+
+
+def coordinator_address(node: str, interface: str | None) -> str:
+    """The address this (group rank 0) node's coordinator is reached at: ``--rdzv-interface``'s, else
+    what the node's own name resolves to, else a routable address of this host (names not in DNS)."""
+    if interface:
+        return interface_address(interface)
+    with contextlib.suppress(OSError, UnicodeError):
+        return socket.gethostbyname(node)
+    return routable_address(None)
+
+
+def publish_coordinator(path: Path, record: dict[str, object]) -> None:
+    """Write the coordinator's address (or its start-up error) for the other agents, atomically."""
+    try:
+        write_json_atomic(path, {**record, "ts": time.time()})
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror}); the run directory must be writable") from None
+
+
+def wait_for_coordinator(path: Path, timeout: float) -> tuple[str, int]:
+    """The coordinator's ``(address, port)`` from its file, waiting up to ``timeout`` s; :class:`UserError`
+    when the coordinator published an error or never published (the run directory must be shared)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            record = json.loads(path.read_text())
+            if "error" in record:
+                error = PortTaken if record.get("exit_code") == PortTaken.exit_code else UserError
+                raise error(
+                    f"the coordinator on {record.get('node', 'node 0')} did not start: {record['error']}"
+                )
+            return str(record["host"]), int(record["port"])
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"the coordinator's address {path} did not appear within {timeout:g} s; the run directory "
+                "must be shared by every node, and group rank 0's agent must have started"
+            )
+        time.sleep(ADDRESS_POLL_S)

@@ -107,11 +107,13 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def dump(pid: int, *, native: bool = False, nonblocking: bool = False, timeout: float = 10.0) -> ProcessStack:
+def dump(
+    pid: int, *, native: bool = False, nonblocking: bool = False, timeout: float = 10.0, retry: bool = True
+) -> ProcessStack:
     """One stack dump of ``pid``: all threads; native frames when ``native`` and the process is not stopped.
 
     Never raises for a process that cannot be read: the result has ``error`` set. A stopped process gets a
-    non-blocking, Python-only dump; a blocking dump that fails is retried non-blocking.
+    non-blocking, Python-only dump; a blocking dump that fails is retried non-blocking (unless not ``retry``).
     """
     state = proc_state(pid)
     now = time.time()
@@ -122,7 +124,7 @@ def dump(pid: int, *, native: bool = False, nonblocking: bool = False, timeout: 
         return ProcessStack(pid=pid, state=state, error="py-spy not installed", taken_at=now)
     stopped = state in ("T", "t")
     attempts = [(native and not stopped and not nonblocking, nonblocking or stopped)]
-    if not attempts[0][1]:
+    if not attempts[0][1] and retry:
         attempts.append((False, True))
     error = ""
     for use_native, use_nonblocking in attempts:
@@ -140,7 +142,10 @@ def dump(pid: int, *, native: bool = False, nonblocking: bool = False, timeout: 
             except json.JSONDecodeError as e:
                 error = f"py-spy printed no JSON: {e}"
                 continue
-            return _with(parse_pyspy(doc, pid, state=state, native=use_native), now)
+            stack = _with(parse_pyspy(doc, pid, state=state, native=use_native), now)
+            if error:  # the native dump failed, this is the retry: say why there are no native frames
+                stack.extra["native_error"] = error
+            return stack
         error = _first_error(proc.stderr) or f"py-spy exited with {proc.returncode}"
     return ProcessStack(pid=pid, state=proc_state(pid), error=error, taken_at=now)
 
@@ -160,14 +165,20 @@ def _first_error(stderr: str) -> str:
 
 
 def dump_many(
-    pids: Iterable[int], *, native: bool = False, nonblocking: bool = False, timeout: float = 10.0
+    pids: Iterable[int],
+    *,
+    native: bool = False,
+    nonblocking: bool = False,
+    timeout: float = 10.0,
+    retry: bool = True,
 ) -> dict[int, ProcessStack]:
     """:func:`dump` of several pids at once (one py-spy per pid, in parallel threads)."""
     pids = list(pids)
     if not pids:
         return {}
+    kw = {"native": native, "nonblocking": nonblocking, "timeout": timeout, "retry": retry}
     with ThreadPoolExecutor(max_workers=min(16, len(pids))) as pool:
-        results = pool.map(lambda p: dump(p, native=native, nonblocking=nonblocking, timeout=timeout), pids)
+        results = pool.map(lambda p: dump(p, **kw), pids)
         return dict(zip(pids, results, strict=True))
 
 

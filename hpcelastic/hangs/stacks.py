@@ -195,3 +195,40 @@ def where(stack: ProcessStack) -> str:
     frames = main.python_frames
     chosen = next((f for f in frames if f.is_user_code), frames[0])
     return chosen.location
+
+
+def stack_from_json(d: dict[str, Any]) -> ProcessStack:
+    """The inverse of :meth:`ProcessStack.to_json` (stacks sent over the control plane, stacks files)."""
+    threads = tuple(
+        ThreadStack(
+            thread_id=int(t.get("thread_id", 0)),
+            name=str(t.get("name") or ""),
+            os_thread_id=t.get("os_thread_id"),
+            frames=tuple(
+                Frame(str(f["function"]), str(f["filename"]), int(f.get("line") or 0), bool(f.get("native")))
+                for f in t.get("frames", [])
+            ),
+            owns_gil=bool(t.get("owns_gil")),
+            active=bool(t.get("active")),
+        )
+        for t in d.get("threads", [])
+    )
+    known = {"pid", "state", "native", "error", "taken_at", "threads"}
+    return ProcessStack(
+        pid=int(d.get("pid", 0)),
+        threads=threads,
+        state=str(d.get("state", "?")),
+        native=bool(d.get("native")),
+        error=d.get("error"),
+        taken_at=float(d.get("taken_at") or 0.0),
+        extra={k: v for k, v in d.items() if k not in known},
+    )
+
+
+def python_traceback(stack: ProcessStack) -> str:
+    """The main thread's Python frames as a traceback (outermost first), for events and consoles."""
+    main = stack.main
+    if main is None:
+        return ""
+    lines = [f'  File "{f.filename}", line {f.line}, in {f.function}' for f in reversed(main.python_frames)]
+    return "\n".join(["Stack (most recent call last):", *lines]) if lines else ""

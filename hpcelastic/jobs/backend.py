@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from hpcelastic import __version__, events, runindex
-from hpcelastic.errors import UserError
+from hpcelastic.errors import SlurmError, UserError
+from hpcelastic.jobs import slurm
 from hpcelastic.jobs.render import JobRequest
 from hpcelastic.rundir import RunDir, write_atomic
 
@@ -78,6 +80,7 @@ def _meta(request: JobRequest, backend: str) -> dict:
         "python": spec.python,
         "requeue_mode": spec.requeue_mode,
         "max_requeues": spec.max_requeues,
+        "signal_lead_s": spec.signal_lead_s,
         "sbatch_args": list(request.sbatch_args),
         "sbatch_command": list(request.sbatch_command) if backend == "sbatch" else None,
         "agent_argv": list(request.agent_argv),
@@ -90,7 +93,8 @@ def submit_request(
     """Create the run directory, write its files, submit, and record ``submitted``.
 
     On any failure the run directory (and any parent this call created) is removed again, so a
-    failed submission leaves nothing behind. Returns ``(job_id, run_dir)``.
+    failed submission leaves nothing behind, unless Slurm queued the job all the same (a time-out,
+    a lost reply, Ctrl-C): then it is kept and recorded. Returns ``(job_id, run_dir)``.
     """
     import yaml
 
@@ -108,15 +112,56 @@ def submit_request(
         if Path(spec.checkpoint_dir).is_relative_to(run.path):
             Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         run.write_meta(_meta(request, backend.name))
-        job_id = backend.submit(request, run)
-        run.record(
-            events.submitted(job_id=job_id, backend=backend.name, nodes=spec.nodes_text, script=spec.script)
-        )
-        runindex.record_job(job_id, run.path)
     except BaseException:
         shutil.rmtree(created_root or run.path, ignore_errors=True)
         raise
+    try:
+        job_id = backend.submit(request, run)
+    except BaseException as e:
+        job_id = _queued_anyway(run, e, lambda: shutil.rmtree(created_root or run.path, ignore_errors=True))
+        _record(run, job_id, request, backend)
+        if not isinstance(e, Exception):  # Ctrl-C: the queued job stays, and the user is told so
+            _say(
+                f"interrupted, but job {job_id} was already queued; its run directory {run.path} is kept "
+                f"(stop it with `hpcelastic cancel {job_id}`)"
+            )
+            raise
+        _say(f"warning: sbatch failed ({e}), but job {job_id} is queued from {run.script_path}")
+        return job_id, run
+    _record(run, job_id, request, backend)
     return job_id, run
+
+
+def _say(message: str) -> None:
+    print(f"hpcelastic: {message}", file=sys.stderr, flush=True)
+
+
+def _record(run: RunDir, job_id: str, request: JobRequest, backend: Backend) -> None:
+    nodes, script = request.spec.nodes_text, request.spec.script
+    run.record(events.submitted(job_id=job_id, backend=backend.name, nodes=nodes, script=script))
+    runindex.record_job(job_id, run.path)
+
+
+def _queued_anyway(run: RunDir, error: BaseException, remove: Callable[[], None]) -> str:
+    """The job a failed or interrupted submission queued all the same; else ``remove()`` and re-raise.
+
+    A refusal sbatch printed (a bad partition...) queued nothing. After a time-out, a lost reply or
+    Ctrl-C the job may be queued: Slurm is asked for a job whose batch script is this run's. When
+    Slurm cannot say, the run directory is kept (a queued job needs it) and the user is told.
+    """
+    if not (isinstance(error, SlurmError) and not error.transient):
+        try:
+            found = slurm.jobs_running_script(run.script_path)
+        except SlurmError as e:
+            raise UserError(
+                f"sbatch did not answer ({error or type(error).__name__}) and Slurm cannot be asked ({e}); "
+                f"the job may be queued, so {run.path} is kept: check with `squeue --me` and delete the "
+                "directory if no job uses it"
+            ) from None
+        if found:
+            return found[0]
+    remove()
+    raise error
 
 
 def describe(request: JobRequest, backend: Backend) -> str:

@@ -64,6 +64,7 @@ def _signal_help() -> str:
 # In the order `hpcelastic submit --help` lists them.
 SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     SubmitOption("nodes", "N, or N_MIN:N_MAX (elastic).", default=DEFAULT_NODES),
+    _from_schema("spare_nodes"),
     _from_schema("gpus_per_node"),
     SubmitOption("nproc_per_node", "Workers per node: N or auto."),
     _from_schema("time"),
@@ -76,6 +77,9 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     SubmitOption("site", "Site config name or YAML file [default: detected]."),
     _from_schema("max_restarts"),
     _from_schema("max_requeues"),
+    _from_schema("stall_timeout"),
+    _from_schema("replica_groups"),
+    _from_schema("min_replica_groups"),
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),

@@ -21,10 +21,12 @@ from hpcelastic import __version__
 from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.errors import UserError
 from hpcelastic.jobs.spec import JobSpec
+from hpcelastic.parse import is_env_name
 from hpcelastic.resources import data_dir
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
-SRUN_PREFIX = ("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered")
+#: ``--no-kill``: a node's death takes only its own task; the agents, not srun, handle the lost node.
+SRUN_PREFIX = ("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--unbuffered")
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,24 @@ def sbatch_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def comment_text(value: str) -> str:
+    """``value`` for a ``#`` comment line: control characters (a line break first) are escaped."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(value))
+
+
+def output_pattern(path: str) -> str:
+    """``path`` for sbatch's ``--output``, whose ``%`` starts a pattern (``%j``): ``%`` is written ``%%``."""
+    return path.replace("%", "%%")
+
+
 def _option(name: str, value: str | int | None = None) -> str:
     return f"--{name}" if value is None else f"--{name}={sbatch_quote(str(value))}"
 
 
 def directives_for(spec: JobSpec) -> tuple[str, ...]:
     """The ``#SBATCH`` options (without the ``#SBATCH`` prefix) for ``spec``."""
-    nodes = str(spec.nodes_min) if spec.nodes_min == spec.nodes_max else f"{spec.nodes_min}-{spec.nodes_max}"
+    lo, hi = spec.nodes_min + spec.spare_nodes, spec.nodes_max + spec.spare_nodes
+    nodes = str(lo) if lo == hi else f"{lo}-{hi}"
     out = [_option("job-name", spec.job_name), _option("nodes", nodes), _option("ntasks-per-node", 1)]
     if spec.gpus_per_node:
         gpus = spec.gpus_per_node
@@ -83,8 +96,11 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
     out += [
         # In resubmit mode hpcelastic chains a new job itself; Slurm must not requeue this one too.
         _option("requeue" if spec.requeue_mode == "requeue" else "no-requeue"),
+        # Slurm keeps the allocation when a node dies (the batch host's node excepted) instead of
+        # killing and requeueing the whole job: the survivors go on in the same allocation.
+        _option("no-kill"),
         _option("signal", f"B:{spec.signal}@{spec.signal_lead_s}"),
-        _option("output", str(Path(spec.run_dir) / "slurm-%j.out")),
+        _option("output", output_pattern(str(Path(spec.run_dir))) + "/slurm-%j.out"),
         _option("open-mode", "append"),
         _option("chdir", spec.cwd),
     ]
@@ -98,6 +114,7 @@ def agent_command(spec: JobSpec) -> AgentCommand:
     return AgentCommand(
         run_dir=Path(spec.run_dir),
         nodes=spec.nodes_text,
+        spare_nodes=spec.spare_nodes or None,
         nproc_per_node=spec.nproc_per_node,
         max_restarts=spec.max_restarts,
         checkpoint_dir=Path(spec.checkpoint_dir),
@@ -108,6 +125,9 @@ def agent_command(spec: JobSpec) -> AgentCommand:
         grace_period=spec.grace_period_s,
         requeue_mode=spec.requeue_mode,
         max_requeues=spec.max_requeues,
+        replica_groups=spec.replica_groups if spec.replica_groups > 1 else None,
+        min_replica_groups=spec.min_replica_groups if spec.min_replica_groups > 1 else None,
+        no_warm_start=not spec.warm_start,
         module=spec.module,
         program=(spec.script, *spec.script_args),
     )
@@ -159,6 +179,7 @@ def _environment(template: str):  # -> jinja2.Environment, imported lazily
     )
     env.filters["q"] = shlex.quote
     env.filters["sbatch_quote"] = sbatch_quote
+    env.filters["comment"] = comment_text
     return env, name
 
 
@@ -167,6 +188,9 @@ def render(spec: JobSpec) -> JobRequest:
     argv = agent_argv(spec)
     finalize = (spec.python, "-m", "hpcelastic", "finalize", "--run-dir", spec.run_dir)
     env = (("HPCELASTIC_RUN_DIR", spec.run_dir), *spec.env)
+    for key, _ in env:
+        if not is_env_name(key):
+            raise UserError(f"environment variable name {key!r} is not a valid name (letters, digits, _)")
     directives = directives_for(spec)
     jinja_env, name = _environment(spec.template)
     import jinja2

@@ -110,6 +110,14 @@ def sbatch(
     return job_id
 
 
+def jobs_running_script(script: str | os.PathLike[str]) -> list[str]:
+    """Ids of the jobs Slurm knows (pending or running) whose batch script is the file ``script``."""
+    out = run_slurm(["squeue", "-h", "-o", "%i|%o"])
+    wanted = str(script)
+    rows = (line.partition("|") for line in out.splitlines())
+    return [jid for jid, _, command in rows if command == wanted]
+
+
 def parse_scontrol_record(line: str) -> dict[str, str]:
     """Parse one ``scontrol show -o`` line (``Key=Value Key=Value ...``) into a dict.
 
@@ -152,11 +160,30 @@ class JobInfo:
     end_time: float | None
     preempt_time: float | None
     work_dir: str | None
+    start_time: float | None = None
+    #: TimeLimit in seconds; None when UNLIMITED or unknown.
+    time_limit_s: int | None = None
+    #: Slurm's Reason field (``None``, ``NodeDown``, ...).
+    reason: str = ""
+
+
+def parse_limit(value: str | None) -> int | None:
+    """A ``TimeLimit`` (``1-02:03:04``, ``10:00``) in seconds; None for UNLIMITED or anything unknown."""
+    from hpcelastic.parse import parse_time as parse_duration
+
+    try:
+        return parse_duration(value) if value else None
+    except ValueError:
+        return None
 
 
 def job_info(job_id: str) -> JobInfo:
     """One ``scontrol show job``, typed; raises :class:`SlurmError` when Slurm cannot tell."""
-    rec = show_job(job_id)
+    return job_info_from(show_job(job_id))
+
+
+def job_info_from(rec: Mapping[str, str]) -> JobInfo:
+    """:class:`JobInfo` from one parsed ``scontrol show job`` record."""
     restarts = rec.get("Restarts", "")
     return JobInfo(
         state=rec.get("JobState", ""),
@@ -164,6 +191,9 @@ def job_info(job_id: str) -> JobInfo:
         end_time=parse_time(rec.get("EndTime")),
         preempt_time=parse_time(rec.get("PreemptTime")),
         work_dir=rec.get("WorkDir") or None,
+        start_time=parse_time(rec.get("StartTime")),
+        time_limit_s=parse_limit(rec.get("TimeLimit")),
+        reason=rec.get("Reason", ""),
     )
 
 
@@ -185,18 +215,19 @@ def requeue(job_id: str) -> None:
     run_slurm(["scontrol", "requeue", str(job_id)])
 
 
-def exclude_nodes(job_id: str, nodes: Sequence[str]) -> None:
-    """Add ``nodes`` to the job's excluded nodes (keeps those already excluded)."""
-    if not nodes:
+def exclude_nodes(job_id: str, nodes: Sequence[str], *, release: Sequence[str] = ()) -> None:
+    """Add ``nodes`` to the job's excluded nodes and take ``release`` off (keeps the others)."""
+    if not nodes and not release:
         return
     import hostlist  # python-hostlist; imported here to keep the CLI start-up lean
 
     current = show_job(job_id).get("ExcNodeList", "(null)")
     names = [] if current in ("", "(null)") else hostlist.expand_hostlist(current)
-    for n in nodes:
-        if n not in names:
-            names.append(n)
-    run_slurm(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={hostlist.collect_hostlist(names)}"])
+    kept = [n for n in names if n not in release]
+    kept += [n for n in nodes if n not in kept]
+    if kept == names:
+        return
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={hostlist.collect_hostlist(kept)}"])
 
 
 def cancel(job_id: str, *, signal: str | None = None, batch: bool = False) -> None:

@@ -20,6 +20,7 @@ from hpcelastic.jobs.options import DEFAULT_NODES
 from hpcelastic.parse import (
     AUTO,
     check_module_name,
+    is_env_name,
     no_nul,
     parse_nodes,
     parse_nproc,
@@ -43,6 +44,7 @@ class JobSpec:
     module: bool
     nodes_min: int
     nodes_max: int
+    spare_nodes: int  # allocated on top of nodes_min..nodes_max; the agents hold them as hot spares
     gpus_per_node: int | None
     nproc_per_node: str  # a positive integer as text, or "auto"
     time_limit_s: int | None
@@ -75,6 +77,9 @@ class JobSpec:
     backend: str
     site: str
     config: Mapping[str, Any]  # the resolved configuration, nested, for <run>/config.yaml
+    replica_groups: int = 1  # torchft replica groups (hpcelastic.agent.replicas); 1: off
+    min_replica_groups: int = 1
+    warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
 
     @property
     def nodes_text(self) -> str:
@@ -170,6 +175,23 @@ def build_spec(
             f"the signal lead time ({lead} s) is not shorter than --time ({time_limit} s); "
             "raise --time or lower the lead with --signal"
         )
+    groups, min_groups = v("replica_groups"), v("min_replica_groups")
+    if groups > 1 or min_groups > 1:
+        from hpcelastic.agent.replicas import check_groups
+
+        if nodes_min != nodes_max:
+            raise UserError("--replica-groups needs a fixed node count (--nodes N), not a range")
+        problem = check_groups(nodes_max, groups, min_groups)
+        if problem:
+            raise UserError(f"{problem}; pick --nodes as a multiple of --replica-groups")
+        if v("stall_timeout"):
+            raise UserError("--stall-timeout does not work with --replica-groups yet; leave one out")
+    grace = v("requeue.grace_period")
+    if grace is not None and lead is not None and lead <= grace:
+        raise UserError(
+            f"the signal lead time ({lead} s) is not longer than requeue.grace_period ({grace} s): the time "
+            "limit would end the workers' checkpoint; raise the lead with --signal SIG@SECONDS"
+        )
     script_path = _resolve_script(script, module, cwd)
     for i, arg in enumerate(script_args):
         no_nul(arg, f"script argument {i + 1}")
@@ -179,6 +201,11 @@ def build_spec(
     ckpt = os.path.abspath(os.path.join(cwd, os.path.expanduser(checkpoint_dir))) if checkpoint_dir else None
     merged_env = {**{k: str(x) for k, x in (v("env") or {}).items()}, **dict(env or {})}
     for key, value in merged_env.items():
+        if not is_env_name(key):
+            raise UserError(
+                f"environment variable name {key!r} is not a valid name (letters, digits and _, "
+                "not starting with a digit)"
+            )
         no_nul(value, f"environment value {key}")
         if key in _RESERVED_ENV:
             raise UserError(
@@ -202,6 +229,7 @@ def build_spec(
         module=module,
         nodes_min=nodes_min,
         nodes_max=nodes_max,
+        spare_nodes=v("spare_nodes"),
         gpus_per_node=gpus,
         nproc_per_node=_nproc(nproc_per_node, gpus),
         time_limit_s=time_limit,
@@ -234,4 +262,7 @@ def build_spec(
         backend=v("backend"),
         site=config.site,
         config=config.as_tree(),
+        replica_groups=groups,
+        min_replica_groups=min_groups,
+        warm_start=v("warm_start"),
     )

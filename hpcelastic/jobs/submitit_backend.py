@@ -95,11 +95,12 @@ class SubmititBackend:
             **_option_pairs(spec.sbatch_directives_site),
             **_option_pairs(request.sbatch_args),
         }
-        if spec.nodes_min != spec.nodes_max:
-            extra["nodes"] = f"{spec.nodes_min}-{spec.nodes_max}"
+        lo, hi = spec.nodes_min + spec.spare_nodes, spec.nodes_max + spec.spare_nodes  # spares on top
+        if lo != hi:
+            extra["nodes"] = f"{lo}-{hi}"
         params: dict[str, Any] = {
             "job_name": spec.job_name,
-            "nodes": spec.nodes_max,
+            "nodes": hi,
             "ntasks_per_node": 1,
             "signal_delay_s": spec.signal_lead_s,
             "setup": [f"module load {shlex.quote(m)}" for m in spec.modules] + list(spec.setup),

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpcelastic.lifecycle.classify import classify_stop_signal
+from hpcelastic import events
+from hpcelastic.lifecycle.cancel import mark_cancelled
+from hpcelastic.lifecycle.classify import Stop, slurm_stop
 from hpcelastic.lifecycle.executor import Executor
 from hpcelastic.lifecycle.history import attempt_root_cause, root_cause_signature
 from hpcelastic.lifecycle.policy import AttemptEnd, Settings
@@ -36,12 +38,15 @@ def end_attempt(
 ) -> EndOutcome:
     """Record how ``attempt`` ended and bring the job back or stop it; at most once per attempt.
 
-    ``reason`` PREEMPTED is refined from Slurm's record of the job (time limit or preemption). The
-    attempt's root cause is read from the event log. ``exit_code`` defaults to ``reason.exit_code``.
+    Slurm's record of the job has the last word on a stop (:mod:`~hpcelastic.lifecycle.classify`):
+    ``reason`` PREEMPTED (a stop signal was seen) becomes the time limit, a preemption or a node
+    failure; any other failure becomes the stop Slurm is making, if it is ending the job. A job
+    Slurm is cancelling (plain ``scancel``) marks the run cancelled: it is never brought back.
+    The attempt's root cause is read from the event log. ``exit_code`` defaults to ``reason.exit_code``.
     """
     settings = Settings.parse(requeue_mode, max_requeues)
-    if reason is Reason.PREEMPTED and job_id:
-        reason = classify_stop_signal(job_id)
+    if reason is not Reason.SUCCEEDED and job_id:
+        reason = _slurm_reason(run_dir, job_id, reason)
     end = AttemptEnd(
         attempt=attempt,
         reason=reason,
@@ -53,3 +58,18 @@ def end_attempt(
     )
     outcome = (executor or Executor()).conclude(run_dir, end, settings)
     return EndOutcome(outcome.exit_code, outcome.message)
+
+
+def _slurm_reason(run_dir: RunDir, job_id: str, reason: Reason) -> Reason:
+    """``reason`` as Slurm's record of ``job_id`` corrects it; marks the run cancelled on a cancel."""
+    lead = run_dir.read_meta().get("signal_lead_s")
+    stop = slurm_stop(
+        job_id,
+        signalled=reason is Reason.PREEMPTED,
+        signal_lead_s=float(lead) if isinstance(lead, (int, float)) else None,
+    )
+    if stop is Stop.CANCELLED:
+        mark_cancelled(run_dir)
+        run_dir.record(events.cancelled(job_id=job_id))
+        return reason
+    return reason if stop is None or stop.reason is None else stop.reason

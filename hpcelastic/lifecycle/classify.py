@@ -1,32 +1,107 @@
-"""Was a stop signal a preemption or the time limit? Decided from Slurm's record of the job."""
+"""Why Slurm stopped a job (cancel, time limit, preemption, node failure), from Slurm's record of it.
+
+Pure over :class:`~hpcelastic.jobs.slurm.JobInfo`; :func:`slurm_stop` is the one ``scontrol`` call.
+What ``scontrol show job`` shows while the batch script's trap runs (Slurm 22.05, measured):
+
+* ``scancel``: ``JobState=COMPLETING``, ``EndTime`` = the cancel time, well short of ``TimeLimit``;
+* the time limit's ``--signal``: ``RUNNING``, ``EndTime`` = the limit, at most the signal lead (+60 s) away;
+* the limit itself: ``TIMEOUT``/``COMPLETING`` with ``EndTime - StartTime`` = ``TimeLimit``;
+* preemption: ``PreemptTime`` set; a node's death: ``NODE_FAIL`` (``Reason=NodeDown``).
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 
 from hpcelastic.errors import SlurmError
 from hpcelastic.jobs import slurm
 from hpcelastic.reasons import Reason
 
+#: Where the signal lead is unknown: a stop this close to EndTime is the time limit.
 TIME_LIMIT_WINDOW_S = 300.0
+#: Slurm may send the ``--signal`` up to 60 s before the lead (its signal timer is coarse).
+SIGNAL_EARLY_S = 60.0
+#: Clock and rounding slack when comparing EndTime with TimeLimit or the signal lead.
+LIMIT_SLACK_S = 5.0
 
 
-def classify_stop(info: slurm.JobInfo | None, now: float, window_s: float = TIME_LIMIT_WINDOW_S) -> Reason:
-    """TIME_LIMIT when the job is within ``window_s`` of its EndTime, else PREEMPTED.
+class Stop(str, enum.Enum):
+    """Why Slurm ended or is ending the job."""
 
-    A job with a PreemptTime is preempted whatever its EndTime (Slurm moves EndTime to the end of
-    the grace time on preemption). Without a record (Slurm could not be asked): PREEMPTED; both
-    requeue, they only count against different counters.
+    CANCELLED = "cancelled"
+    TIME_LIMIT = "time_limit"
+    PREEMPTED = "preempted"
+    NODE_FAILURE = "node_failure"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def reason(self) -> Reason | None:
+        """The attempt-end reason it stands for; None for a cancel (the run is not brought back)."""
+        return {
+            Stop.TIME_LIMIT: Reason.TIME_LIMIT,
+            Stop.PREEMPTED: Reason.PREEMPTED,
+            Stop.NODE_FAILURE: Reason.NODE_UNHEALTHY,
+        }.get(self)
+
+
+def limit_reached(info: slurm.JobInfo) -> bool:
+    """The job ran (or runs until) its whole TimeLimit: EndTime - StartTime >= TimeLimit."""
+    if info.start_time is None or info.end_time is None or info.time_limit_s is None:
+        return False
+    return info.end_time - info.start_time >= info.time_limit_s - LIMIT_SLACK_S
+
+
+def slurm_ending(info: slurm.JobInfo) -> Stop | None:
+    """Why Slurm is ending the job, when its record says it is; None while it runs normally."""
+    if info.state == "NODE_FAIL" or (info.state == "COMPLETING" and info.reason.startswith("Node")):
+        return Stop.NODE_FAILURE
+    if info.preempt_time is not None or info.state == "PREEMPTED":
+        return Stop.PREEMPTED
+    if info.state in ("TIMEOUT", "DEADLINE") or (info.state == "COMPLETING" and limit_reached(info)):
+        return Stop.TIME_LIMIT
+    if info.state in ("CANCELLED", "COMPLETING"):
+        return Stop.CANCELLED
+    return None
+
+
+def classify_stop(info: slurm.JobInfo | None, now: float, *, signal_lead_s: float | None = None) -> Stop:
+    """Why the job was told to stop (the trap saw the stop signal or TERM).
+
+    Slurm's own verdict first (:func:`slurm_ending`); a running job signalled within the signal lead
+    (plus :data:`SIGNAL_EARLY_S`) of its EndTime is at its time limit; anything else, and a job
+    Slurm could not be asked about, is a preemption (a stop that requeues).
     """
-    if info is None or info.preempt_time is not None:
-        return Reason.PREEMPTED
-    if info.end_time is not None and info.end_time - now <= window_s:
-        return Reason.TIME_LIMIT
-    return Reason.PREEMPTED
+    if info is None:
+        return Stop.PREEMPTED
+    ending = slurm_ending(info)
+    if ending is not None:
+        return ending
+    window = TIME_LIMIT_WINDOW_S if signal_lead_s is None else signal_lead_s + SIGNAL_EARLY_S + LIMIT_SLACK_S
+    if info.end_time is not None and info.end_time - now <= window:
+        return Stop.TIME_LIMIT
+    return Stop.PREEMPTED
 
 
-def classify_stop_signal(job_id: str, *, now: float | None = None) -> Reason:
-    """:func:`classify_stop` over one ``scontrol show job`` of ``job_id``."""
+def slurm_stop(job_id: str, *, signalled: bool, signal_lead_s: float | None = None) -> Stop | None:
+    """One ``scontrol show job``: why Slurm stops ``job_id``.
+
+    ``signalled``: the job got a stop signal, so it is stopping whatever Slurm says
+    (:func:`classify_stop`); otherwise only Slurm's own verdict counts (None while it runs on).
+    """
+    try:
+        info: slurm.JobInfo | None = slurm.job_info(job_id)
+    except SlurmError:
+        info = None
+    if signalled:
+        return classify_stop(info, time.time(), signal_lead_s=signal_lead_s)
+    return None if info is None else slurm_ending(info)
+
+
+def classify_stop_signal(job_id: str, *, now: float | None = None) -> Stop:
+    """:func:`classify_stop` over one ``scontrol show job`` of ``job_id`` (signal lead unknown)."""
     try:
         info: slurm.JobInfo | None = slurm.job_info(job_id)
     except SlurmError:

@@ -27,7 +27,8 @@ from hpcelastic.env import slurm as slurm_env
 from hpcelastic.errors import SlurmError
 from hpcelastic.jobs import slurm
 from hpcelastic.lifecycle import policy
-from hpcelastic.lifecycle.cancel import is_cancelled
+from hpcelastic.lifecycle.cancel import is_cancelled, mark_cancelled
+from hpcelastic.lifecycle.classify import Stop, slurm_ending
 from hpcelastic.lifecycle.history import History
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Decision, RequeueMode, Settings
 from hpcelastic.reasons import JobEnd, Reason
@@ -117,8 +118,9 @@ class Executor:
         with term_deferred():
             if not rd.claim_once(f"decide-attempt-{end.attempt}"):
                 return self._already_decided(rd, end)
-            history = History.from_log(rd.events(), end.attempt, cancelled=is_cancelled(rd))
+            history = History.from_log(rd.events(), end.attempt, cancelled=is_cancelled(rd), now=time.time())
             decision = policy.decide(history, end, settings)
+            # Recorded before Slurm is asked: the requeue counts even if this process dies during it.
             rd.record(
                 events.attempt_ended(
                     attempt=end.attempt,
@@ -127,6 +129,8 @@ class Executor:
                     signature=end.signature,
                     progressed=decision.progressed,
                     bad_nodes=end.bad_nodes,
+                    action=decision.action.value,
+                    exclude=decision.exclude,
                 )
             )
             if decision.action is Action.SUCCEED:
@@ -156,8 +160,10 @@ class Executor:
     ) -> Outcome:
         assert decision.job_id is not None
         job_id, exclude, attempt, reason = decision.job_id, list(decision.exclude), end.attempt, end.reason
+        if self._cancelled_meanwhile(rd, job_id):  # scontrol requeue would bring a cancelled job back
+            return self._skip(rd, end, policy.cancelled_decision(end, decision.progressed))
         if settings.mode is RequeueMode.REQUEUE:
-            error, exclude_error = self._requeue(job_id, exclude)
+            error, exclude_error = self._requeue(job_id, exclude, list(decision.release))
             if error is not None and self._already_pending(rd, job_id):
                 error = None
                 exclude_error = exclude_error or "Slurm had already requeued the job"
@@ -244,19 +250,33 @@ class Executor:
                 self.say(f"Slurm did not answer ({e}); retrying in a moment")
         return None, error
 
-    def _requeue(self, job_id: str, exclude: list[str]) -> tuple[str | None, str | None]:
+    def _requeue(self, job_id: str, exclude: list[str], release: list[str]) -> tuple[str | None, str | None]:
         """``scontrol requeue``, then ``scontrol update`` ExcNodeList; returns (error, exclude_error).
 
         Slurm refuses ExcNodeList on a running job ("Job is no longer pending execution"), so the
         bad nodes are excluded right after the requeue, while the job waits out its BeginTime
-        and before it can start anywhere. A failed exclusion does not undo the requeue; it is
-        noted in the ``requeued`` event.
+        and before it can start anywhere; nodes in ``release`` (cooldown over) leave the list. A
+        failed exclusion does not undo the requeue; it is noted in the ``requeued`` event.
         """
         _, error = self._retrying(lambda: slurm.requeue(job_id))
         if error is not None:
             return error, None
-        _, exclude_error = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude))
+        _, exclude_error = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude, release=release))
         return None, exclude_error
+
+    def _cancelled_meanwhile(self, rd: RunDir, job_id: str) -> bool:
+        """The run was cancelled, by ``hpcelastic cancel`` or a plain ``scancel`` Slurm is carrying out."""
+        if is_cancelled(rd):
+            return True
+        try:
+            info = slurm.job_info(job_id)
+        except SlurmError:
+            return False
+        if slurm_ending(info) is not Stop.CANCELLED:
+            return False
+        mark_cancelled(rd)
+        rd.record(events.cancelled(job_id=job_id))
+        return True
 
     def _already_pending(self, rd: RunDir, job_id: str) -> bool:
         """True when Slurm has requeued the job already (a lost reply, or preemption in REQUEUE mode)."""

@@ -78,7 +78,8 @@ class Decision:
     """The policy's verdict on one ended attempt.
 
     ``progressed`` is what ``attempt_ended`` records. ``SKIP`` carries ``skip`` (why), ``job_end``
-    (the ``job_failed`` reason) and ``message``; ``BRING_BACK`` carries ``job_id`` and ``exclude``.
+    (the ``job_failed`` reason) and ``message``; ``BRING_BACK`` carries ``job_id``, ``exclude`` and
+    ``release`` (nodes excluded before whose cooldown is over).
     ``exit_code`` is what the caller exits with.
     """
 
@@ -90,6 +91,7 @@ class Decision:
     message: str = ""
     job_id: str | None = None
     exclude: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
 
 
 def stops_without_checkpoint(history: History, end: AttemptEnd) -> int:
@@ -172,10 +174,12 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
             f"requeue limit reached ({history.budget_used} of --max-requeues {settings.max_requeues} "
             "used); not requeued: raise --max-requeues to allow more",
         )
+    exclude = tuple(dict.fromkeys([*history.bad_nodes, *sorted(set(end.bad_nodes))]))
     return Decision(
         Action.BRING_BACK,
         end.reason.exit_code if end.reason.is_stop else end.exit_code,
         progressed,
         job_id=end.job_id,
-        exclude=tuple(dict.fromkeys([*history.bad_nodes, *sorted(set(end.bad_nodes))])),
+        exclude=exclude,
+        release=tuple(n for n in history.released_nodes if n not in exclude),
     )

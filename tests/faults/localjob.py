@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # imported up front: importing it while a job trains would let a short job finish first
 
 from hpcelastic.agent.launcher import LocalRun, start_agents
 from hpcelastic.rundir import RunDir
@@ -87,8 +88,6 @@ class LocalJob:
         self.wait_until(f"training step {min_step}", progressed)
 
     def _step(self) -> int:
-        import torch
-
         try:
             return int(
                 torch.load(self.run_dir.path / "checkpoints" / "ddp_train.pt", weights_only=True)["step"]

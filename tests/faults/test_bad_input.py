@@ -41,6 +41,9 @@ COMMON_FILES: dict[str, str | bytes] = {
     "latin1.yaml": b"description: caf\xe9\n",
     "port.yaml": "rdzv_port: 70000\n",
     "lead.yaml": "signal:\n  lead_time: 100000\n",
+    "sigkill.yaml": "signal:\n  name: KILL\n",
+    "grace-long.yaml": "requeue:\n  grace_period: 2200000\n",
+    "grace-over-lead.yaml": "signal:\n  lead_time: 120\nrequeue:\n  grace_period: 120\n",
     "submitit-resubmit.yaml": "backend: submitit\nrequeue:\n  mode: resubmit\n",
     "undefined.j2": "#!/bin/bash\n{{ no_such_variable }}\n",
     "fakerun/events.jsonl": FAKE_RUN_EVENT,
@@ -183,6 +186,24 @@ CASES: list[Case] = [
     sub("--site", "./latin1.yaml", "train.py", expect="not UTF-8 text", id="yaml-not-utf8"),
     sub("--site", "./port.yaml", "train.py", expect="rdzv_port: must be between 1 and 65535", id="yaml-port"),
     sub("--site", "./lead.yaml", "train.py", expect="lead_time: must be between 0 and 65535", id="yaml-lead"),
+    # ---- the stop signal and the grace period (issue 10, item 9) ----
+    sub("--signal", "KILL@100", "train.py", expect="SIGKILL cannot be caught", id="submit-signal-kill"),
+    sub("--signal", "SIGSTOP@100", "train.py", expect="SIGSTOP cannot be caught", id="submit-signal-stop"),
+    sub("--site", "./sigkill.yaml", "train.py", expect="SIGKILL cannot be caught", id="yaml-signal-kill"),
+    sub(
+        "--site",
+        "./grace-long.yaml",
+        "train.py",
+        expect="grace_period: must be between 0 and 65535",
+        id="yaml-grace-period-overflows-select",
+    ),
+    sub(
+        "--site",
+        "./grace-over-lead.yaml",
+        "train.py",
+        expect="lead time (120 s) is not longer than requeue.grace_period (120 s)",
+        id="yaml-grace-period-not-below-lead",
+    ),
     sub(
         "train.py",
         expect="config.yaml: qos: must be a string, not a list",
@@ -307,6 +328,15 @@ CASES: list[Case] = [
     Case("agent-nodes-underscore", ("agent", "--nodes", "1_0", "--", "train.py"), "--nodes '1_0' is not N"),
     Case("agent-signal-unknown", ("agent", "--signal", "FOO", "--", "train.py"), "--signal 'FOO' is not"),
     Case("agent-signal-number", ("agent", "--signal", "999", "--", "train.py"), "--signal '999' is not"),
+    Case("agent-signal-kill", ("agent", "--signal", "KILL", "--", "train.py"), "SIGKILL cannot be caught"),
+    Case(
+        "agent-signal-stop-number", ("agent", "--signal", "19", "--", "train.py"), "SIGSTOP cannot be caught"
+    ),
+    Case(
+        "agent-grace-period-25-days",
+        ("agent", "--grace-period", "2200000", "--", "train.py"),
+        "'--grace-period': 2200000.0 is not in the range 0<=x<=65535",
+    ),
     Case("agent-restarts-negative", ("agent", "--max-restarts", "-1", "--", "train.py"), "'--max-restarts'"),
     Case("agent-module-bad", ("agent", "-m", "a b", "--", "x"), "-m 'a b' is not a Python module"),
     Case(
@@ -334,6 +364,11 @@ CASES: list[Case] = [
     Case("run-module-bad", ("run", "-m", "bad module"), "-m 'bad module' is not a Python module"),
     Case("run-run-dir-exists", ("run", "--run-dir", "adir", "train.py"), "adir already exists"),
     Case("run-rdzv-timeout-0", ("run", "--rdzv-timeout", "0", "train.py"), "'--rdzv-timeout'"),
+    Case(
+        "run-grace-period-25-days",
+        ("run", "--grace-period", "2200000", "train.py"),
+        "'--grace-period': 2200000.0 is not in the range",
+    ),
     # ---- status, logs, cancel, finalize ----
     Case("status-unknown-dir", ("status", "nope"), "nope: no such run directory"),
     Case("status-unknown-job", ("status", "999999"), "job 999999 is not in the run index"),

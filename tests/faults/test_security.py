@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import hmac
 import json
@@ -34,7 +35,7 @@ import psutil
 import pytest
 
 from hpcelastic.agent import protocol
-from hpcelastic.agent.coordinator import Coordinator, PortReservation
+from hpcelastic.agent.coordinator import MAX_PREAUTH_FRAME, Coordinator, PortReservation
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
@@ -79,6 +80,7 @@ class Plane:
         return socket.create_connection(("127.0.0.1", self.coord.port), timeout=5)
 
     def state(self) -> dict[str, Any]:
+        self.coord.events.flush(timeout=5)  # the coordinator writes events from a thread of its own
         st = self.coord.state
         return {
             "members": sorted(st.members),
@@ -89,6 +91,7 @@ class Plane:
         }
 
     def events(self, name: str) -> list[dict[str, Any]]:
+        self.coord.events.flush(timeout=5)
         return [e for e in self.run_dir.events() if e["event"] == name]
 
 
@@ -285,7 +288,13 @@ def test_garbage_before_authentication_is_rejected_and_the_coordinator_serves_on
     sock = plane.connect()
     protocol.recv_payload(sock)
     sock.sendall(frame)
-    assert rejection(sock)["auth"] is False
+    if len(frame) > MAX_PREAUTH_FRAME:
+        # Not read at all (a stranger's frame is never buffered beyond the limit): the refusal is best
+        # effort, as the coordinator closes with the frame unread, which may reset the connection.
+        with contextlib.suppress(ConnectionResetError):
+            rejection(sock)
+    else:
+        assert rejection(sock)["auth"] is False
     assert plane.state() == before
     # Still serving: the right secret joins node 2, which completes the rendezvous.
     sock = plane.connect()
@@ -516,7 +525,7 @@ def test_submitted_run_directory_is_private_and_holds_the_secret_once(tmp_path: 
         "meta.json",
         "job.sbatch",
         "config.yaml",
-        "events.jsonl",
+        RunDir(run).events_path.name,
     }
     index = tmp_path / "state" / "hpcelastic" / "index.jsonl"
     assert stat.S_IMODE(index.stat().st_mode) == 0o600 and stat.S_IMODE(index.parent.stat().st_mode) == 0o700

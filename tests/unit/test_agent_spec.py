@@ -39,6 +39,7 @@ FULL = AgentCommand(
     grace_period=45.0,
     requeue_mode="resubmit",
     max_requeues=2,
+    no_warm_start=True,
     module=True,
     program=("pkg.train", "--lr", "3e-4", "--", "-m"),
 )
@@ -66,8 +67,9 @@ def test_defaults_come_from_the_site_schema(tmp_path: Path) -> None:
     assert spec.stop_signal is signal.SIGUSR2
     assert spec.rdzv.timeout == 300.0
     assert {f.name for f in dataclasses.fields(spec)} == {
-        "argv", "min_nodes", "max_nodes", "nproc", "max_restarts", "checkpoint_dir", "stall_timeout",
-        "stop_signal", "grace_period", "rdzv", "requeue_mode", "max_requeues",
+        "argv", "min_nodes", "max_nodes", "spare_nodes", "nproc", "max_restarts", "checkpoint_dir",
+        "stall_timeout", "stop_signal", "grace_period", "rdzv", "requeue_mode", "max_requeues", "warm_start",
+        "replica_groups", "min_replica_groups",
     }  # fmt: skip
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 
 from hpcelastic.env import LocalEnvironment, MPIEnvironment, SlurmEnvironment, detect_environment
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.env.base import BootstrapOptions, parse_endpoint, visible_gpus
-from hpcelastic.env.slurm import derived_port
-from hpcelastic.errors import UserError
+from hpcelastic.env.slurm import coordinator_file
+from hpcelastic.errors import PortTaken, UserError
 from hpcelastic.rundir import RunDir
 
 SRUN = {
@@ -51,21 +54,62 @@ def test_slurm_several_tasks_per_node_is_a_user_error() -> None:
         SlurmEnvironment({**SRUN, "SLURM_STEP_NUM_TASKS": "8"}).context()
 
 
-def test_slurm_coordinator_port_is_derived_from_job_and_restart() -> None:
-    assert derived_port("4242", 1) == derived_port("4242", 1)
-    assert derived_port("4242", 1) != derived_port("4242", 2)
-    assert 20000 <= derived_port("4242", 1) < 30000
-
-
 def test_slurm_rendezvous_needs_the_secret(tmp_path) -> None:
     env = SlurmEnvironment({**SRUN, "SLURM_NODEID": "1"})
     with pytest.raises(UserError, match="secret"):
         env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path))
     RunDir(tmp_path).create_secret()
-    rdzv = env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path))
-    assert (rdzv.host, rdzv.port, rdzv.listener) == ("gpu001", derived_port("4242", 1), None)
-    rdzv = env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path, endpoint="head:29400"))
-    assert (rdzv.host, rdzv.port) == ("head", 29400)
+    rdzv = env.rendezvous(env.context(), BootstrapOptions(run_dir=tmp_path, endpoint="localhost:29400"))
+    assert (rdzv.host, rdzv.port) == ("localhost", 29400)
+
+
+def test_slurm_agents_find_the_coordinator_where_it_publishes_itself(tmp_path) -> None:
+    """Group rank 0 listens on a free port and publishes address and port per job id and restart count;
+    the others read them there without resolving a node name (gpu001 is in no DNS here)."""
+    RunDir(tmp_path).create_secret()
+    head = SlurmEnvironment({**SRUN, "SLURM_NODEID": "0"})
+    rdzv0 = head.rendezvous(head.context(), BootstrapOptions(run_dir=tmp_path))
+    assert rdzv0.listener is not None
+    try:
+        assert rdzv0.port == rdzv0.listener.getsockname()[1] and rdzv0.master_addr == rdzv0.host
+        assert coordinator_file(RunDir(tmp_path), "4242", 1).exists()
+        other = SlurmEnvironment({**SRUN, "SLURM_NODEID": "2"})
+        rdzv2 = other.rendezvous(other.context(), BootstrapOptions(run_dir=tmp_path, timeout=2))
+        assert (rdzv2.host, rdzv2.port, rdzv2.listener) == (rdzv0.host, rdzv0.port, None)
+        # A later allocation (restart count 2) does not take this one's address.
+        again = SlurmEnvironment({**SRUN, "SLURM_NODEID": "2", "SLURM_RESTART_COUNT": "2"})
+        with pytest.raises(UserError, match="did not appear within 1 s"):
+            again.rendezvous(again.context(), BootstrapOptions(run_dir=tmp_path, timeout=1))
+    finally:
+        rdzv0.listener.close()
+
+
+def test_slurm_coordinator_that_cannot_listen_ends_every_agent_with_its_error(tmp_path) -> None:
+    RunDir(tmp_path).create_secret()
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        head = SlurmEnvironment({**SRUN, "SLURM_NODEID": "0"})
+        with pytest.raises(PortTaken, match=f"cannot listen on \\*:{port}"):
+            head.rendezvous(head.context(), BootstrapOptions(run_dir=tmp_path, port=port))
+        other = SlurmEnvironment({**SRUN, "SLURM_NODEID": "1"})
+        t0 = time.monotonic()
+        with pytest.raises(PortTaken, match="coordinator on gpu001 did not start: cannot listen"):
+            other.rendezvous(other.context(), BootstrapOptions(run_dir=tmp_path, port=port, timeout=60))
+        assert time.monotonic() - t0 < 2
+    finally:
+        taken.close()
+
+
+def test_slurm_rendezvous_endpoint_that_does_not_resolve_is_a_user_error(tmp_path) -> None:
+    RunDir(tmp_path).create_secret()
+    env = SlurmEnvironment({**SRUN, "SLURM_NODEID": "1"})
+    with pytest.raises(UserError, match="'no-such-host.invalid' does not resolve"):
+        env.rendezvous(
+            env.context(), BootstrapOptions(run_dir=tmp_path, endpoint="no-such-host.invalid:29400")
+        )
 
 
 def test_mpi_detected_from_launcher_variables_before_import() -> None:

@@ -12,7 +12,6 @@ from hpcelastic import events
 from hpcelastic.events import EventLog
 from hpcelastic.jobs import slurm
 from hpcelastic.lifecycle.cancel import cancel_run, is_cancelled
-from hpcelastic.lifecycle.classify import classify_stop
 from hpcelastic.lifecycle.finalize import recorded_exit, step_end_reason
 from hpcelastic.lifecycle.history import History, PreviousEnd, excluded_nodes, requeue_counts
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Settings, decide
@@ -163,25 +162,6 @@ def test_history_from_the_event_log() -> None:
     assert requeue_counts(log) == {C.FAILURE: 0, C.PREEMPTED: 1, C.TIME_LIMIT: 0, C.NODE_UNHEALTHY: 1}
     assert excluded_nodes(log) == ("n2", "n4")
     assert History.from_log(log, 0, cancelled=True).previous is None
-
-
-def _info(end: float | None, preempt: float | None = None) -> slurm.JobInfo:
-    return slurm.JobInfo("RUNNING", 0, end, preempt, "/tmp")
-
-
-@pytest.mark.parametrize(
-    ("info", "expected"),
-    [
-        (_info(1090.0), R.TIME_LIMIT),
-        (_info(1300.0), R.TIME_LIMIT),
-        (_info(8200.0), R.PREEMPTED),
-        (_info(1030.0, preempt=999.0), R.PREEMPTED),
-        (_info(None), R.PREEMPTED),
-        (None, R.PREEMPTED),
-    ],
-)
-def test_classify_stop(info: slurm.JobInfo | None, expected: Reason) -> None:
-    assert classify_stop(info, now=1000.0) is expected
 
 
 def test_slurm_time_parsing() -> None:

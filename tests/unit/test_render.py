@@ -76,13 +76,15 @@ def test_agent_line_has_the_documented_form(tmp_path: Path) -> None:
     doc_words = doc.split()
     # srun prefix, then PYTHON, then the fixed words of the documented form
     assert (
-        argv[:4] == doc_words[:4] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered"]
+        argv[:5]
+        == doc_words[:5]
+        == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--unbuffered"]
     )
-    assert argv[4] == spec.python
-    assert argv[5:8] == doc_words[5:8] == ["-m", "hpcelastic", "agent"]
+    assert argv[5] == spec.python
+    assert argv[6:9] == doc_words[6:9] == ["-m", "hpcelastic", "agent"]
     documented = re.findall(r"--[a-z-]+", doc)
-    used = [w for w in argv[8 : argv.index("--")] if w.startswith("--")]
-    assert used == [o for o in documented[3:] if o in used], "options out of the documented order"
+    used = [w for w in argv[9 : argv.index("--")] if w.startswith("--")]
+    assert used == [o for o in documented[4:] if o in used], "options out of the documented order"
     assert {"--run-dir", "--nodes", "--nproc-per-node", "--max-restarts"} <= set(used)
     assert argv[argv.index("--nodes") + 1] == "2:4"
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
@@ -154,7 +156,9 @@ text_values = st.text(
 @given(
     args=st.lists(text_values, max_size=4),
     env_values=st.lists(text_values, max_size=3),
-    job_name=st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=20),
+    job_name=st.text(
+        alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=20
+    ).filter(str.strip),
 )
 @example(
     args=["it's", '"dq"', "$(touch /tmp/pwned)", "`id`", "a\nb", "ünï ✓", "--lr", "", " ", "\\", "*"],

@@ -1,0 +1,390 @@
+"""torchft replica groups (``--replica-groups R``): the coordinator's decisions per group, free of I/O.
+
+The round's nodes are split into R groups of contiguous node ranks (:func:`plan_groups`); each group is
+a torch.distributed world of its own (its own ``MASTER_ADDR``/``MASTER_PORT`` and ranks) and one
+replica of torchft's quorum. :class:`ReplicaJobState` extends :class:`~hpcelastic.agent.job_state.JobState`:
+
+- a worker failure stops and restarts **only that group**, on its own nodes, with a new round number
+  and port; the other groups keep stepping and the restarted group heals from a live peer (torchft
+  does the healing; the coordinator records ``replica_group_healed`` when the group reports its first
+  step: the peers are the groups then running, ``steps_missed`` the steps committed without it);
+- a group that lost a node restarts with a spare in its place (a ``--spare-nodes`` node, or a node of
+  a group left out); without one it is left out (torchft pairs rank r of every group with rank r of the
+  others, so the groups must keep the same size), and so is a group whose restart budget is spent: each
+  group may restart ``--max-restarts`` times (counted per group). A group is dropped
+  (``replica_group_dropped``) while at least ``--min-replica-groups`` groups remain; below that the
+  job-wide path applies (every group stops, the job-wide budget of ``--max-restarts`` restarts, then
+  the requeue), as without replica groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcelastic import events
+from hpcelastic.agent import messages
+from hpcelastic.agent.job_state import _STOPPING, Action, JobState, LostNode, Phase, Record, Say, Send
+from hpcelastic.agent.messages import Failure
+from hpcelastic.reasons import Reason, RestartCause
+
+
+def plan_groups(node_ranks: Sequence[int], num_nodes: int, groups: int) -> list[list[int]]:
+    """Group g gets the node ranks ``[g*k, (g+1)*k)`` (k = num_nodes // groups) present in ``node_ranks``."""
+    k = num_nodes // groups
+    present = set(node_ranks)
+    return [[n for n in range(g * k, (g + 1) * k) if n in present] for g in range(groups)]
+
+
+def check_groups(num_nodes: int, groups: int, min_groups: int) -> str | None:
+    """Why ``--replica-groups``/``--min-replica-groups`` do not fit ``num_nodes`` nodes, or None."""
+    if groups < 1 or min_groups < 1:
+        return "--replica-groups and --min-replica-groups must be at least 1"
+    if min_groups > groups:
+        return f"--min-replica-groups {min_groups} exceeds --replica-groups {groups}"
+    if groups > 1 and num_nodes % groups:
+        return f"{num_nodes} node(s) do not split into {groups} replica groups of equal size"
+    return None
+
+
+class GroupPhase(str, enum.Enum):
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DONE = "done"
+    DROPPED = "dropped"
+
+
+@dataclass
+class Group:
+    """One replica group's current round."""
+
+    index: int
+    nodes: list[int]
+    round: int = -1
+    phase: GroupPhase = GroupPhase.RUNNING
+    restarts: int = 0
+    started: dict[int, float] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    deadline: float = 0.0
+    cause: RestartCause = RestartCause.WORKER_FAILED
+    last_step: int | None = None
+    #: Set while a restarted group has not stepped yet: (its last step before the failure, when it failed).
+    healing: tuple[int | None, float] | None = None
+
+
+class ReplicaJobState(JobState):
+    """:class:`JobState` with per-group restarts (see the module docstring)."""
+
+    def __init__(self, *, replica_groups: int, min_replica_groups: int, lighthouse: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.replica_groups = replica_groups
+        self.min_replica_groups = min_replica_groups
+        self.lighthouse = lighthouse
+        self.groups: list[Group] = []
+        #: node rank -> the round its agent runs now (rounds are numbered job-wide, one per group round).
+        self.node_round: dict[int, int] = {}
+
+    # ---- queries --------------------------------------------------------------------------------
+    def group_of(self, node_rank: int) -> Group | None:
+        return next((g for g in self.groups if node_rank in g.nodes), None)
+
+    def _alive(self, g: Group) -> list[int]:
+        return [n for n in g.nodes if n in self.members]
+
+    def live_groups(self) -> list[Group]:
+        return [g for g in self.groups if g.phase is not GroupPhase.DROPPED]
+
+    def _current(self, node_rank: int, round_: int) -> bool:
+        return self.node_round.get(node_rank) == round_
+
+    # ---- rounds ---------------------------------------------------------------------------------
+    def _start_round(self) -> list[Action]:
+        """The first round, or a job-wide restart: every group (re)starts."""
+        self.phase = Phase.RUNNING
+        self.started, self.stopped, self.done = {}, set(), set()
+        self.failures, self.lost_in_round = [], []
+        nodes = sorted(self.members)[: self.round_size]
+        plan = plan_groups(nodes, self.round_size, self.replica_groups)
+        if sum(1 for members in plan if members) < self.min_replica_groups:
+            return self._finish(
+                Reason.TOO_FEW_NODES,
+                f"{sum(1 for m in plan if m)} replica group(s) have nodes, fewer than --min-replica-groups "
+                f"{self.min_replica_groups}",
+            )
+        self.groups = [Group(i, members, restarts=0) for i, members in enumerate(plan)]
+        actions: list[Action] = []
+        for g in self.groups:
+            if g.nodes:
+                actions += self._start_group(g)
+            else:
+                actions += self._drop(g, "no node of the group joined")
+        self.round_nodes = [n for g in self.live_groups() for n in g.nodes]
+        if self.phase is Phase.RUNNING and len(self.live_groups()) < self.min_replica_groups:
+            return actions + self._job_wide_stop(RestartCause.NODE_LOST)
+        return actions
+
+    def _start_group(self, g: Group) -> list[Action]:
+        self.round += 1
+        g.round, g.phase = self.round, GroupPhase.RUNNING
+        g.started, g.stopped, g.done = {}, set(), set()
+        port = self._new_port()
+        world = sum(self.members[n].nproc for n in g.nodes)
+        hosts = [self.members[n].host for n in g.nodes]
+        actions: list[Action] = [
+            Record(
+                events.rendezvous(
+                    round=self.round,
+                    hosts=hosts,
+                    world_size=world,
+                    master_addr=self.master_addr,
+                    master_port=port,
+                    restart_count=g.restarts,
+                )
+            )
+        ]
+        offset = 0
+        for group_rank, n in enumerate(g.nodes):
+            self.node_round[n] = self.round
+            rnd = messages.Round(
+                round=self.round,
+                restart_count=g.restarts,
+                max_restarts=self.max_restarts,
+                group_rank=group_rank,
+                group_world_size=len(g.nodes),
+                rank_offset=offset,
+                world_size=world,
+                master_addr=self.master_addr,
+                master_port=port,
+                replica_group=g.index,
+                num_replica_groups=self.replica_groups,
+                lighthouse=self.lighthouse,
+            )
+            actions.append(Send(n, rnd))
+            offset += self.members[n].nproc
+        return actions
+
+    def started_workers(self, node_rank: int, round_: int, ts: float, *args: Any, **kw: Any) -> list[Action]:
+        g = self.group_of(node_rank)
+        if g is None or not self._current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
+            return []
+        with self._in_group(g):  # the base class's bookkeeping, for this group's round
+            return super().started_workers(node_rank, round_, ts, *args, **kw)
+
+    @contextlib.contextmanager
+    def _in_group(self, g: Group) -> Iterator[None]:
+        saved = (self.round, self.round_nodes, self.started)
+        self.round, self.round_nodes, self.started = g.round, g.nodes, g.started
+        try:
+            yield
+        finally:
+            self.round, self.round_nodes, self.started = saved
+
+    # ---- failures -------------------------------------------------------------------------------
+    def worker_failed(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
+        g = self.group_of(node_rank)
+        if g is None or not self._current(node_rank, round_) or self.phase is Phase.FINISHED:
+            return []
+        actions = self._record(node_rank, failures)
+        if self.phase is Phase.RUNNING and g.phase is GroupPhase.RUNNING:
+            actions += self._stop_group(g, RestartCause.WORKER_FAILED)
+        return actions
+
+    def _stop_group(self, g: Group, cause: RestartCause) -> list[Action]:
+        g.phase, g.cause = GroupPhase.STOPPING, cause
+        g.deadline = self._now() + self.stop_timeout
+        g.healing = (g.last_step, self._now())
+        return [Send(n, messages.Stop(g.round, cause)) for n in self._alive(g) if n not in g.stopped]
+
+    def workers_stopped(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
+        if not self._current(node_rank, round_):
+            return []
+        if self.phase in _STOPPING:  # the job-wide path
+            actions = self._record(node_rank, failures)
+            self.stopped.add(node_rank)
+            return actions + self._check_stopped()
+        g = self.group_of(node_rank)
+        if g is None or g.phase is not GroupPhase.STOPPING:
+            return []
+        actions = self._record(node_rank, failures)
+        g.stopped.add(node_rank)
+        return actions + self._group_stopped(g)
+
+    def _group_stopped(self, g: Group) -> list[Action]:
+        """Once the group's live nodes all stopped: restart it on them, drop it, or go job-wide."""
+        alive = self._alive(g)
+        if g.phase is not GroupPhase.STOPPING or not g.stopped >= set(alive):
+            return []
+        if not alive:
+            return self._drop(g, "no node of the group is left")
+        actions: list[Action] = []
+        lacking = self.round_size // self.replica_groups - len(alive)
+        if lacking > 0:
+            # torchft pairs rank r of every group with rank r of the others: the groups must stay equal.
+            spares = self._spares()
+            if len(spares) < lacking:
+                return self._drop(g, f"it lost {lacking} of its nodes and no spare is left")
+            alive = sorted(alive + spares[:lacking])
+            names = ", ".join(self.members[n].host for n in spares[:lacking])
+            actions.append(
+                Say(f"replica group {g.index}: spare node(s) {names} take the lost node(s)' place")
+            )
+        if 0 not in self.members:
+            return self._job_wide_stop(g.cause)
+        if g.restarts >= self.max_restarts:
+            return self._drop(g, f"its restart budget ({self.max_restarts}) is spent")
+        g.restarts += 1
+        g.nodes = alive
+        actions += [
+            Record(
+                events.replica_group_restarting(
+                    group=g.index,
+                    round=self.round + 1,
+                    nodes=[self.members[n].host for n in alive],
+                    group_restarts=g.restarts,
+                    max_restarts=self.max_restarts,
+                    reason=g.cause,
+                    last_step=g.last_step,
+                )
+            ),
+            Say(
+                f"replica group {g.index}: restarting on {len(alive)} node(s) (restart {g.restarts} of "
+                f"{self.max_restarts}) after: {g.cause.value}; the other groups keep stepping"
+            ),
+        ]
+        return actions + self._start_group(g)
+
+    def _spares(self) -> list[int]:
+        """Joined nodes in no live group: hot spares, and the nodes of groups left out."""
+        in_use = {n for g in self.live_groups() for n in g.nodes}
+        return [n for n in sorted(self.members) if n not in in_use]
+
+    def _drop(self, g: Group, why: str) -> list[Action]:
+        g.phase = GroupPhase.DROPPED
+        remaining = len(self.live_groups())
+        actions: list[Action] = [
+            Record(
+                events.replica_group_dropped(
+                    group=g.index, reason=why, remaining=remaining, min_groups=self.min_replica_groups
+                )
+            ),
+            Say(f"replica group {g.index} left out: {why}; {remaining} group(s) go on"),
+        ]
+        self.round_nodes = [n for x in self.live_groups() for n in x.nodes]
+        if self.phase is Phase.RUNNING and remaining < self.min_replica_groups:
+            return actions + self._job_wide_stop(g.cause)
+        return actions + self._check_all_done()
+
+    def _job_wide_stop(self, cause: RestartCause) -> list[Action]:
+        """Fewer than ``--min-replica-groups`` groups: stop everything; the base class decides what next."""
+        self.phase = Phase.STOPPING
+        self.deadline = self._now() + self.stop_timeout
+        self.round_nodes = [n for g in self.groups for n in g.nodes if n in self.members]
+        self.stopped = {n for g in self.groups if g.phase is not GroupPhase.RUNNING for n in g.nodes}
+        self.stopped |= {n for g in self.groups for n in g.stopped}
+        actions: list[Action] = [Say("too few replica groups left: stopping every group (job-wide path)")]
+        for n in self.round_nodes:
+            if n not in self.stopped:
+                actions.append(Send(n, messages.Stop(self.node_round[n], cause)))
+        return actions + self._check_stopped()
+
+    def lost(self, node_rank: int, reason: str, *, unhealthy: bool = False) -> list[Action]:
+        g = self.group_of(node_rank)
+        if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
+            return super().lost(node_rank, reason, unhealthy=unhealthy)
+        member = self.members.pop(node_rank)
+        if unhealthy:
+            self.bad_nodes.append(member.host)
+        self.lost_hosts.append(member.host)
+        self.departed.add(node_rank)
+        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), g.round))
+        actions: list[Action] = [
+            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
+        ]
+        if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
+            return actions + self._job_wide_stop(RestartCause.NODE_LOST)
+        if g.phase is GroupPhase.RUNNING:
+            actions += self._stop_group(g, RestartCause.NODE_LOST)
+        return actions + self._group_stopped(g)
+
+    # ---- success, progress, time ----------------------------------------------------------------
+    def workers_done(self, node_rank: int, round_: int) -> list[Action]:
+        g = self.group_of(node_rank)
+        if g is None or not self._current(node_rank, round_) or self.phase is not Phase.RUNNING:
+            return []
+        if g.phase is not GroupPhase.RUNNING:
+            return []
+        g.done.add(node_rank)
+        if g.done >= set(self._alive(g)):
+            g.phase = GroupPhase.DONE
+        return self._check_all_done()
+
+    def _check_all_done(self) -> list[Action]:
+        live = self.live_groups()
+        if self.phase is Phase.RUNNING and live and all(g.phase is GroupPhase.DONE for g in live):
+            return self._finish(Reason.SUCCEEDED)
+        return []
+
+    def progress(self, node_rank: int, round_: int, step: int, ts: float, ranks: int) -> list[Action]:
+        g = self.group_of(node_rank)
+        if g is None or not self._current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
+            return []
+        actions: list[Action] = []
+        if g.healing is not None:
+            actions += self._healed(g, step, ts)
+        g.last_step = step if g.last_step is None else max(g.last_step, step)
+        # The job's progress events follow the highest step of any group.
+        return actions + super().progress(node_rank, self.round, step, ts, ranks)
+
+    def _healed(self, g: Group, step: int, ts: float) -> list[Action]:
+        before, failed_at = g.healing or (None, ts)
+        g.healing = None
+        peers = [
+            x.index
+            for x in self.groups
+            if x is not g and x.phase is GroupPhase.RUNNING and x.healing is None and x.last_step is not None
+        ]
+        missed = step - before - 1 if before is not None and step > before else None
+        text = f"replica group {g.index} stepping again at step {step}"
+        if peers:
+            text += f", healed from group(s) {', '.join(map(str, peers))}"
+        return [
+            Record(
+                events.replica_group_healed(
+                    group=g.index,
+                    step=step,
+                    peers=peers,
+                    steps_missed=missed,
+                    down_s=round(ts - failed_at, 3),
+                )
+            ),
+            Say(text + (f" ({missed} step(s) missed)" if missed is not None else "")),
+        ]
+
+    def step_report(self, node_rank: int, round_: int, step: int | None, rate: float) -> list[Action]:
+        return (
+            super().step_report(node_rank, self.round, step, rate) if self._current(node_rank, round_) else []
+        )
+
+    def _fix_stop_step(self) -> list[Action]:
+        actions = super()._fix_stop_step()
+        return [
+            Send(a.node_rank, messages.StopAt(self.node_round.get(a.node_rank, -1), a.message.step))
+            if isinstance(a, Send) and isinstance(a.message, messages.StopAt)
+            else a
+            for a in actions
+        ]
+
+    def tick(self) -> list[Action]:
+        actions = super().tick()
+        if self.phase is not Phase.RUNNING:
+            return actions
+        now = self._now()
+        for g in self.groups:
+            if g.phase is GroupPhase.STOPPING and now >= g.deadline:
+                for n in [n for n in self._alive(g) if n not in g.stopped]:
+                    actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
+        return actions

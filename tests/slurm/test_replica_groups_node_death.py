@@ -1,0 +1,99 @@
+"""torchft replica groups when a node of group 1 really dies (slurmd and every process, SIGKILL at once).
+
+Runs on a 4-node testbed instance of its own (``ftreplica``: 127.0.5.x, SlurmdTimeout 10 s), never on
+the shared default instance. Group 1 is left out (torchft needs groups of equal size) while group 0,
+which keeps stepping, is at least ``--min-replica-groups``; the job completes in the same allocation
+without a requeue.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcelastic import events
+from hpcelastic.jobs.slurm import parse_scontrol_record
+from hpcelastic.rundir import RunDir
+from tests.replica_checks import check_group0_kept_stepping, train_args
+from tests.testbed import Testbed
+
+pytest.importorskip("torchft")
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+NAME = "ftreplica"
+NODES = tuple(f"{NAME}{i}" for i in range(1, 5))
+LOCK = Path(f"/var/lock/hpcelastic-testbed-{NAME}.lock")
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
+STEPS = 160
+
+
+@pytest.fixture(scope="module")
+def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        inst = Testbed(NAME, {"index": "5", "nodes": "4", "slurmd_timeout": "10"})
+        inst.down()
+        inst.up()
+        try:
+            yield inst
+        finally:
+            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
+            inst.down()
+
+
+def job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
+
+
+def wait_for(what: str, check: object, timeout: float) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()  # type: ignore[operator]
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not seen in {timeout:.0f} s")
+
+
+def test_node_death_in_group_1_leaves_it_out_group_0_goes_on(
+    tb: Testbed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURM_CONF", tb.slurm_env()["SLURM_CONF"])
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", "testbed"]
+    argv += ["--run-dir", str(tmp_path / "run"), "--time", "10", "--nodes", "4", "--nproc-per-node", "1"]
+    argv += ["--replica-groups", "2", *train_args(out, steps=STEPS)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    job_id, rd = str(info["job_id"]), RunDir(Path(info["run_dir"]))
+    try:
+        wait_for("the first step", lambda: rd.events().of(events.PROGRESS), 240)
+        time.sleep(8)  # some 30 steps into the run
+        tb.kill_node(NODES[3])
+        rec = wait_for("the job's end", lambda: (r := job(job_id)).get("JobState") in ENDED and r, 300)
+    finally:
+        tb.revive_node(NODES[3])
+    assert isinstance(rec, dict) and rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    log = rd.events()
+    assert [e["node"] for e in log.of(events.NODE_LOST)] == [NODES[3]]
+    (dropped,) = log.of(events.REPLICA_GROUP_DROPPED)
+    assert (dropped["group"], dropped["reason"]) == (1, "it lost 1 of its nodes and no spare is left"), (
+        dropped
+    )
+    assert not log.of(events.REPLICA_GROUP_RESTARTING) and not log.of(events.RESTARTING)
+    assert not log.of(events.REQUEUED) and len(log.of(events.ATTEMPT_STARTED)) == 1
+    assert rec["NodeList"] == "ftreplica[1-3]", rec  # Slurm removed the dead node from the allocation
+    stats = check_group0_kept_stepping(out, steps=STEPS)
+    print(f"replica groups, node death: {stats}")

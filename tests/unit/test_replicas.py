@@ -1,0 +1,182 @@
+"""torchft replica groups: the coordinator restarts only the failed group, drops it, or goes job-wide."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpcelastic.agent import messages
+from hpcelastic.agent.job_state import Action, Phase, Record, Send
+from hpcelastic.agent.replicas import ReplicaJobState, check_groups, plan_groups
+from hpcelastic.agent.workers import worker_env
+from hpcelastic.reasons import Reason
+from tests.unit.test_workers_env import config
+
+
+class Clock:
+    t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(*, groups: int = 2, min_groups: int = 1, max_restarts: int = 2, spares: int = 0) -> ReplicaJobState:
+    ports = itertools.count(40000)
+    st = ReplicaJobState(
+        replica_groups=groups,
+        min_replica_groups=min_groups,
+        lighthouse="http://n0:29510",
+        hosts=[f"n{i}" for i in range(4 + spares)],
+        round_size=4,
+        min_nodes=1,
+        max_restarts=max_restarts,
+        master_addr="n0",
+        new_port=lambda: next(ports),
+        rdzv_timeout=60,
+        now=Clock(),
+    )
+    return st
+
+
+def rounds(actions: list[Action]) -> dict[int, messages.Round]:
+    return {
+        a.node_rank: a.message
+        for a in actions
+        if isinstance(a, Send) and isinstance(a.message, messages.Round)
+    }
+
+
+def named(actions: list[Action], name: str) -> list[dict[str, Any]]:
+    return [a.event.fields for a in actions if isinstance(a, Record) and a.event.name == name]
+
+
+def start(st: ReplicaJobState) -> dict[int, messages.Round]:
+    out: list[Action] = []
+    for i in range(len(st.hosts)):
+        out += st.join(i, f"n{i}", 1)
+    return rounds(out)
+
+
+def test_plan_and_check() -> None:
+    assert plan_groups([0, 1, 2, 3], 4, 2) == [[0, 1], [2, 3]]
+    assert plan_groups([0, 1, 3], 4, 2) == [[0, 1], [3]]
+    assert check_groups(3, 2, 1) == "3 node(s) do not split into 2 replica groups of equal size"
+    assert check_groups(4, 2, 3) == "--min-replica-groups 3 exceeds --replica-groups 2"
+    assert check_groups(4, 2, 2) is None
+
+
+def test_each_group_is_a_world_of_its_own() -> None:
+    r = start(make())
+    assert [r[n].replica_group for n in range(4)] == [0, 0, 1, 1]
+    assert [(r[n].rank_offset, r[n].world_size, r[n].group_rank) for n in range(4)] == [
+        (0, 2, 0),
+        (1, 2, 1),
+    ] * 2
+    assert r[0].master_port == r[1].master_port != r[2].master_port == r[3].master_port
+    assert {m.num_replica_groups for m in r.values()} == {2} and r[3].lighthouse == "http://n0:29510"
+
+
+def test_worker_failure_restarts_only_its_group_and_heals() -> None:
+    st = make()
+    r = start(st)
+    st.progress(2, r[2].round, 9, 1000.0, 1)
+    st.progress(0, r[0].round, 9, 1000.0, 1)
+    out = st.worker_failed(3, r[3].round, [{"rank": 1, "error": "killed by SIGKILL", "ts": 1000.0}])
+    assert {a.node_rank for a in out if isinstance(a, Send)} == {2, 3}  # group 0 is not told anything
+    out = st.workers_stopped(2, r[2].round, []) + st.workers_stopped(3, r[3].round, [])
+    again = rounds(out)
+    assert set(again) == {2, 3} and again[2].restart_count == 1 and again[2].round > r[2].round
+    assert named(out, "replica_group_restarting")[0]["group"] == 1
+    st.progress(0, r[0].round, 30, 1010.0, 1)
+    healed = named(st.progress(2, again[2].round, 31, 1012.0, 1), "replica_group_healed")
+    assert healed == [{"group": 1, "step": 31, "peers": [0], "steps_missed": 21, "down_s": 12.0}]
+    for n in range(4):
+        out = st.workers_done(n, (again.get(n) or r[n]).round)
+    assert st.phase is Phase.FINISHED and st.result is not None and st.result.reason is Reason.SUCCEEDED
+
+
+def test_group_without_restarts_left_is_dropped_while_enough_remain() -> None:
+    st = make(max_restarts=0)
+    r = start(st)
+    st.worker_failed(2, r[2].round, [{"rank": 0, "error": "boom", "ts": 1000.0}])
+    out = st.workers_stopped(2, r[2].round, []) + st.workers_stopped(3, r[3].round, [])
+    assert named(out, "replica_group_dropped")[0]["remaining"] == 1 and not rounds(out)
+    st.workers_done(0, r[0].round)
+    st.workers_done(1, r[1].round)
+    assert st.result is not None and st.result.reason is Reason.SUCCEEDED
+
+
+def test_group_that_lost_a_node_is_left_out_and_the_others_go_on() -> None:
+    st = make()
+    r = start(st)
+    out = st.lost(3, "connection closed")
+    out += st.workers_stopped(2, r[2].round, [])
+    assert (
+        not rounds(out)
+        and named(out, "replica_group_dropped")[0]["reason"] == "it lost 1 of its nodes and no spare is left"
+    )
+    assert st.phase is Phase.RUNNING
+    st.workers_done(0, r[0].round)
+    assert st.workers_done(1, r[1].round) and st.result is not None and st.result.reason is Reason.SUCCEEDED
+
+
+def test_below_min_groups_the_job_wide_path_applies() -> None:
+    st = make(min_groups=2, max_restarts=1)
+    r = start(st)
+    st.lost(2, "node down")
+    out = st.lost(3, "node down")
+    assert st.phase is Phase.STOPPING
+    out += st.workers_stopped(0, r[0].round, []) + st.workers_stopped(1, r[1].round, [])
+    assert st.result is not None and st.result.reason is Reason.TOO_FEW_NODES
+    assert st.result.message == "1 replica group(s) have nodes, fewer than --min-replica-groups 2"
+    assert {a.node_rank for a in out if isinstance(a, Send) and isinstance(a.message, messages.Finish)} == {
+        0,
+        1,
+    }
+
+
+def test_round_over_the_wire_and_worker_environment(tmp_path: Path) -> None:
+    rnd = start(make())[3]
+    wire = json.loads(json.dumps(messages.encode(rnd)))
+    assert messages.Round.from_wire(wire) == rnd
+    env = worker_env(config(tmp_path), rnd, 0, tmp_path / "err.json")
+    assert (env["REPLICA_GROUP_ID"], env["NUM_REPLICA_GROUPS"]) == ("1", "2")
+    assert env["TORCHFT_LIGHTHOUSE"] == "http://n0:29510" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_RANK"]) == ("1", "2", "1")
+    plain = dataclasses.replace(rnd, replica_group=-1, num_replica_groups=0, lighthouse="")
+    assert "REPLICA_GROUP_ID" not in worker_env(config(tmp_path), plain, 0, tmp_path / "err.json")
+
+
+def test_group_that_lost_a_node_takes_a_spare() -> None:
+    st = make(spares=1)
+    r = start(st)
+    assert 4 not in r  # the spare gets no round
+    out = st.lost(2, "node down") + st.workers_stopped(3, r[3].round, [])
+    again = rounds(out)
+    assert set(again) == {3, 4} and again[3].world_size == 2 and again[4].replica_group == 1
+    assert (again[3].group_rank, again[4].group_rank) == (0, 1)
+
+
+def test_submit_refuses_replica_groups_that_do_not_fit(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = [sys.executable, "-m", "hpcelastic", "submit", "--dry-run", "--run-dir", str(tmp_path / "run")]
+    cases = {
+        (
+            "--nodes",
+            "3",
+            "--replica-groups",
+            "2",
+        ): "3 node(s) do not split into 2 replica groups of equal size",
+        ("--nodes", "2:4", "--replica-groups", "2"): "--replica-groups needs a fixed node count",
+        ("--nodes", "4", "--replica-groups", "2", "--stall-timeout", "30"): "--stall-timeout does not work",
+    }
+    for flags, error in cases.items():
+        proc = subprocess.run([*base, *flags, str(script)], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2 and error in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "run").exists()

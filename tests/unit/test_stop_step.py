@@ -1,0 +1,99 @@
+"""The job-wide stop step: its rule, the coordinator's exchange and the worker's side of it."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.agent import messages
+from hpcelastic.agent.job_state import Phase
+from hpcelastic.agent.stop_step import StepRate, stop_step
+from tests.unit.test_job_state import Clock, join_all, make, sends
+
+
+def test_stop_step_is_the_highest_step_plus_one_plus_a_second_of_the_fastest_rate() -> None:
+    assert stop_step([(10, 2.0), (12, 4.5), (None, 0.0)]) == 12 + 1 + 5
+    assert stop_step([(3, 0.0)]) == 4
+    assert stop_step([(None, 0.0)]) is None and stop_step([]) is None
+
+
+def test_step_rate_counts_steps_per_second_within_a_round() -> None:
+    r = StepRate()
+    r.beat(0, 5, 100.0)
+    r.beat(0, 9, 102.0)
+    assert r.step == 9 and r.rate == 2.0
+    r.beat(1, 1, 200.0)
+    assert r.step == 1 and r.rate == 0.0
+
+
+def test_coordinator_fixes_one_stop_step_from_every_round_node() -> None:
+    clock = Clock()
+    st = make(3, clock=clock)
+    join_all(st)
+    out = st.preempt(1, "USR2")
+    assert st.phase is Phase.PREEMPTING and len(sends(out, "preempt")) == 3
+    assert st.step_report(0, 0, 40, 10.0) == [] and st.step_report(1, 0, 41, 8.0) == []
+    stop = sends(st.step_report(2, 0, 39, 9.0), "stop_at")
+    assert sorted(stop) == [0, 1, 2] and {m.step for m in stop.values()} == {41 + 1 + 10}
+    assert st.step_report(2, 0, 45, 9.0) == []  # fixed once
+
+
+def test_a_missing_report_does_not_hold_the_stop_step_back() -> None:
+    clock = Clock()
+    st = make(2, clock=clock)
+    join_all(st)
+    st.preempt(0, "USR2")
+    st.step_report(0, 0, 7, 0.0)
+    assert sends(st.tick(), "stop_at") == {}
+    clock.t += 2.5
+    stop = sends(st.tick(), "stop_at")
+    assert {m.step for m in stop.values()} == {8}
+
+
+def test_messages_round_trip() -> None:
+    for msg in (messages.StepReport(2, None, 0.0), messages.StepReport(2, 17, 3.5), messages.StopAt(2, 30)):
+        table = messages.FROM_AGENT if isinstance(msg, messages.StepReport) else messages.FROM_COORDINATOR
+        assert messages.decode(table, messages.encode(msg)) == msg
+
+
+@pytest.fixture
+def fresh_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    stop = tmp_path / "stop"
+    monkeypatch.setenv("HPCELASTIC_STOP_FILE", str(stop))
+    monkeypatch.setenv("HPCELASTIC_HEARTBEAT_SOCKET", str(tmp_path / "no-agent.sock"))
+    from hpcelastic import worker
+
+    return importlib.reload(worker), stop
+
+
+def test_worker_with_heartbeats_stops_exactly_at_the_stop_step(fresh_worker) -> None:  # type: ignore[no-untyped-def]
+    worker, stop = fresh_worker
+    worker.heartbeat(5)
+    assert not worker.should_stop()
+    worker._stop_requested.set()  # the signal arrived; the stop step has not
+    assert not worker.should_stop()
+    stop.write_text("7\n")
+    assert not worker.should_stop()
+    worker.heartbeat(6)
+    assert not worker.should_stop()
+    worker.heartbeat(7)
+    assert worker.should_stop()
+
+
+def test_worker_stops_at_once_without_heartbeats_or_without_a_step(fresh_worker) -> None:  # type: ignore[no-untyped-def]
+    worker, stop = fresh_worker
+    stop.write_text("")
+    assert worker.should_stop()  # never called heartbeat
+    worker.heartbeat(3)
+    assert worker.should_stop()  # the file names no step
+
+
+def test_worker_gives_up_waiting_for_the_stop_step(fresh_worker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    worker, _stop = fresh_worker
+    worker.heartbeat(1)
+    worker._stop_requested.set()
+    assert not worker.should_stop()
+    monkeypatch.setattr(worker, "STOP_STEP_WAIT_S", 0.0)
+    assert worker.should_stop()
