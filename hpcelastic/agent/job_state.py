@@ -229,9 +229,21 @@ class JobState:
         self.started, self.stopped, self.done = {}, set(), set()
         self.failures, self.lost_in_round = [], []
         self.steps = _RoundSteps()
+        actions = self._round_actions(self.round_nodes, self.restart_count)
+        if previous:
+            promoted = [self.members[n].host for n in self.round_nodes if n not in previous]
+            if promoted:
+                actions.append(Say(f"spare node(s) {', '.join(promoted)} take the place of the lost node(s)"))
+        return actions
+
+    def _round_actions(self, nodes: Sequence[int], restart_count: int, **extra: Any) -> list[Action]:
+        """Open round ``self.round`` on ``nodes``: a fresh port, a ``rendezvous`` event, a ``Round`` per node.
+
+        ``extra`` are further :class:`messages.Round` fields (replica groups set theirs).
+        """
         port = self._new_port()
-        world = sum(self.members[n].nproc for n in self.round_nodes)
-        hosts = [self.members[n].host for n in self.round_nodes]
+        world = sum(self.members[n].nproc for n in nodes)
+        hosts = [self.members[n].host for n in nodes]
         actions: list[Action] = [
             Record(
                 events.rendezvous(
@@ -240,26 +252,23 @@ class JobState:
                     world_size=world,
                     master_addr=self.master_addr,
                     master_port=port,
-                    restart_count=self.restart_count,
+                    restart_count=restart_count,
                 )
             )
         ]
-        if previous:
-            promoted = [self.members[n].host for n in self.round_nodes if n not in previous]
-            if promoted:
-                actions.append(Say(f"spare node(s) {', '.join(promoted)} take the place of the lost node(s)"))
         offset = 0
-        for group_rank, n in enumerate(self.round_nodes):
+        for group_rank, n in enumerate(nodes):
             rnd = messages.Round(
                 round=self.round,
-                restart_count=self.restart_count,
+                restart_count=restart_count,
                 max_restarts=self.max_restarts,
                 group_rank=group_rank,
-                group_world_size=len(self.round_nodes),
+                group_world_size=len(nodes),
                 rank_offset=offset,
                 world_size=world,
                 master_addr=self.master_addr,
                 master_port=port,
+                **extra,
             )
             actions.append(Send(n, rnd))
             offset += self.members[n].nproc

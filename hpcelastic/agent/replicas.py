@@ -131,41 +131,15 @@ class ReplicaJobState(JobState):
         self.round += 1
         g.round, g.phase = self.round, GroupPhase.RUNNING
         g.started, g.stopped, g.done = {}, set(), set()
-        port = self._new_port()
-        world = sum(self.members[n].nproc for n in g.nodes)
-        hosts = [self.members[n].host for n in g.nodes]
-        actions: list[Action] = [
-            Record(
-                events.rendezvous(
-                    round=self.round,
-                    hosts=hosts,
-                    world_size=world,
-                    master_addr=self.master_addr,
-                    master_port=port,
-                    restart_count=g.restarts,
-                )
-            )
-        ]
-        offset = 0
-        for group_rank, n in enumerate(g.nodes):
+        for n in g.nodes:
             self.node_round[n] = self.round
-            rnd = messages.Round(
-                round=self.round,
-                restart_count=g.restarts,
-                max_restarts=self.max_restarts,
-                group_rank=group_rank,
-                group_world_size=len(g.nodes),
-                rank_offset=offset,
-                world_size=world,
-                master_addr=self.master_addr,
-                master_port=port,
-                replica_group=g.index,
-                num_replica_groups=self.replica_groups,
-                lighthouse=self.lighthouse,
-            )
-            actions.append(Send(n, rnd))
-            offset += self.members[n].nproc
-        return actions
+        return self._round_actions(
+            g.nodes,
+            g.restarts,
+            replica_group=g.index,
+            num_replica_groups=self.replica_groups,
+            lighthouse=self.lighthouse,
+        )
 
     def started_workers(self, node_rank: int, round_: int, ts: float, *args: Any, **kw: Any) -> list[Action]:
         g = self.group_of(node_rank)
