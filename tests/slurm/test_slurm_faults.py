@@ -114,9 +114,10 @@ def wait_event(run: Path, name: str, timeout: float = 120, **match: object) -> d
 
 
 def stays(job_id: str, state: str, seconds: float) -> dict[str, str]:
-    """The job is in ``state`` now and for ``seconds`` (past cred_expire, when a requeue would start)."""
+    """The job reaches ``state`` (after COMPLETING, which lasts while its processes are killed) and stays in
+    it for ``seconds`` (past cred_expire, when a requeue would start)."""
+    rec = wait_state(job_id, {state}, 60)
     deadline = time.monotonic() + seconds
-    rec = job(job_id)
     while time.monotonic() < deadline:
         rec = job(job_id)
         assert rec.get("JobState") == state, rec

@@ -26,7 +26,8 @@ from hpcelastic.rundir import RunDir
 
 SECRET = "s" * 64
 HOSTS = ("n0", "n1")
-HB_INTERVAL, HB_TIMEOUT = 0.1, 0.5
+# Short, so that a 4 s blocked write spans several timeouts; not so short that a loaded CI machine misses one.
+HB_INTERVAL, HB_TIMEOUT = 0.2, 1.0
 
 
 class Plane:
@@ -127,7 +128,7 @@ def test_a_write_blocked_for_seconds_starves_no_heartbeat(plane: Plane) -> None:
     stop = threading.Event()
 
     def slow_reader() -> None:
-        time.sleep(4 * HB_TIMEOUT * 2)  # 4 s: eight heartbeat timeouts
+        time.sleep(4 * HB_TIMEOUT)  # four heartbeat timeouts
         while not stop.is_set():
             with open(events, "rb") as f:
                 lines.extend(f.read().splitlines())

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
@@ -190,6 +191,14 @@ def test_warm_path_only_for_plain_scripts_of_this_interpreter() -> None:
     assert warm_script(("/other/python", "-u", "t.py")) == (None, "not a Python script")
 
 
+def _alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie (an orphan reparented to a subreaper in this process)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_dead_server_takes_its_workers_and_refuses_new_ones(probe: Path) -> None:
     fs = ForkServer(sys.executable, str(probe), worker_environ(probe.parent), preload=("json",))
     try:
@@ -201,9 +210,7 @@ def test_a_dead_server_takes_its_workers_and_refuses_new_ones(probe: Path) -> No
         assert proc.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                os.kill(proc.pid, 0)
-            except ProcessLookupError:
+            if not _alive(proc.pid):
                 break
             time.sleep(0.05)
         else:
