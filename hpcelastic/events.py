@@ -14,12 +14,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcelastic.reasons import JobEnd, Reason, RestartCause, SkipReason
+from hpcelastic.reasons import JobEnd, Named, Reason, RestartCause, SkipReason
 
 Record = Mapping[str, Any]
 
 
-class EventName(str, enum.Enum):
+class EventName(Named):
     """Every event ``events.jsonl`` can hold."""
 
     SUBMITTED = "submitted"
@@ -48,9 +48,6 @@ class EventName(str, enum.Enum):
     REPLICA_GROUP_RESTARTING = "replica_group_restarting"
     REPLICA_GROUP_HEALED = "replica_group_healed"
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -413,15 +410,12 @@ class EventLog(Sequence[Record]):
 
 
 # ---- training progress (appended for the lost-time ledger, hpcelastic/ledger.py) -------------
-class ProgressMark(str, enum.Enum):
+class ProgressMark(Named):
     """Which kind of ``progress`` event: the round's first step, a periodic mark, or the round's last."""
 
     FIRST = "first"
     PERIODIC = "periodic"
     LAST = "last"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: The least time between two ``periodic`` progress marks of a round (keeps ``events.jsonl`` small).

@@ -37,10 +37,10 @@ from typing import Any
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog, Record
-from hpcelastic.reasons import Reason
+from hpcelastic.reasons import Named, Reason
 
 
-class Phase(str, enum.Enum):
+class Phase(Named):
     """What a stretch of time was spent on."""
 
     PRODUCTIVE = "productive"
@@ -53,15 +53,12 @@ class Phase(str, enum.Enum):
     PENDING = "pending"
     QUEUED = "queued"
 
-    def __str__(self) -> str:
-        return self.value
-
 
 #: The phases of an incident inside an allocation, in the order they happen (redone work comes first).
 LOST_PHASES = (Phase.REDONE, Phase.DETECTION, Phase.TEARDOWN, Phase.RENDEZVOUS, Phase.RESTART)
 
 
-class IncidentKind(str, enum.Enum):
+class IncidentKind(Named):
     """What interrupted training: the cause that badput is totalled by."""
 
     WORKER_FAILURE = "worker_failure"
@@ -74,9 +71,6 @@ class IncidentKind(str, enum.Enum):
     TOO_FEW_NODES = "too_few_nodes"
     STARTUP_FAILURE = "startup_failure"
     UNKNOWN = "unknown"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 STARTUP_CAUSE = "startup"

@@ -20,7 +20,14 @@ from hpcelastic.errors import (
 )
 
 
-class Reason(str, enum.Enum):
+class Named(str, enum.Enum):
+    """A string enum whose members print as their recorded value: ``str(Reason.PREEMPTED) == "preempted"``."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reason(Named):
     """How one attempt (one allocation of the job) ended; ``exit_code`` is what the agent exits with."""
 
     exit_code: int
@@ -39,9 +46,6 @@ class Reason(str, enum.Enum):
     NODE_UNHEALTHY = ("node_unhealthy", EXIT_NODE_UNHEALTHY)
     COORDINATOR_LOST = ("coordinator_lost", EXIT_COORDINATOR_LOST)
     STARTUP_FAILURE = ("startup_failure", EXIT_STARTUP_FAILURE)
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def is_stop(self) -> bool:
@@ -68,7 +72,7 @@ class Reason(str, enum.Enum):
             return None
 
 
-class RequeueCounter(str, enum.Enum):
+class RequeueCounter(Named):
     """The handoff record's requeue counters; ``FAILURE`` and ``NODE_UNHEALTHY`` share ``--max-requeues``."""
 
     FAILURE = "failure"
@@ -76,16 +80,13 @@ class RequeueCounter(str, enum.Enum):
     TIME_LIMIT = "time_limit"
     NODE_UNHEALTHY = "node_unhealthy"
 
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def is_budgeted(self) -> bool:
         """Counted against ``--max-requeues``."""
         return self in (RequeueCounter.FAILURE, RequeueCounter.NODE_UNHEALTHY)
 
 
-class SkipReason(str, enum.Enum):
+class SkipReason(Named):
     """Why an ended attempt is not brought back (event ``requeue_skipped``)."""
 
     LIMIT_REACHED = "limit_reached"
@@ -94,25 +95,16 @@ class SkipReason(str, enum.Enum):
     NO_SLURM_JOB = "no_slurm_job"
     NO_PROGRESS = "no_progress"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class JobEnd(str, enum.Enum):
+class JobEnd(Named):
     """Job-level outcomes that are not an attempt-end reason (``job_failed.reason``)."""
 
     REQUEUE_FAILED = "requeue_failed"
     CANCELLED = "cancelled"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RestartCause(str, enum.Enum):
+class RestartCause(Named):
     """Why the workers of a round are restarted inside the allocation (event ``restarting``)."""
 
     WORKER_FAILED = "worker_failed"
     NODE_LOST = "node_lost"
-
-    def __str__(self) -> str:
-        return self.value

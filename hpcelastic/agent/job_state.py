@@ -15,7 +15,6 @@ spare in its place, so the world size stays the same while spares last.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,14 +27,14 @@ from hpcelastic.agent.stop_step import REPORT_TIMEOUT_S, stop_step
 from hpcelastic.events import Event
 from hpcelastic.hangs.localize import Localization, localize
 from hpcelastic.hangs.stacks import ProcessStack, python_traceback, stack_from_json
-from hpcelastic.reasons import Reason, RestartCause
+from hpcelastic.reasons import Named, Reason, RestartCause
 
 STOP_TIMEOUT_EXTRA = 15.0
 #: How long the coordinator waits for every node's stacks once all ranks stalled.
 STACKS_TIMEOUT = 25.0
 
 
-class Phase(str, enum.Enum):
+class Phase(Named):
     """Where the job attempt is (see the module docstring)."""
 
     RENDEZVOUS = "rendezvous"
@@ -43,9 +42,6 @@ class Phase(str, enum.Enum):
     STOPPING = "stopping"
     PREEMPTING = "preempting"
     FINISHED = "finished"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

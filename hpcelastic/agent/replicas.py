@@ -20,7 +20,6 @@ replica of torchft's quorum. :class:`ReplicaJobState` extends :class:`~hpcelasti
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ from hpcelastic import events
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import _STOPPING, Action, JobState, LostNode, Phase, Record, Say, Send
 from hpcelastic.agent.messages import Failure
-from hpcelastic.reasons import Reason, RestartCause
+from hpcelastic.reasons import Named, Reason, RestartCause
 
 
 def plan_groups(node_ranks: Sequence[int], num_nodes: int, groups: int) -> list[list[int]]:
@@ -50,7 +49,7 @@ def check_groups(num_nodes: int, groups: int, min_groups: int) -> str | None:
     return None
 
 
-class GroupPhase(str, enum.Enum):
+class GroupPhase(Named):
     RUNNING = "running"
     STOPPING = "stopping"
     DONE = "done"

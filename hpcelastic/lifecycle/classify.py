@@ -11,12 +11,11 @@ What ``scontrol show job`` shows while the batch script's trap runs (Slurm 22.05
 
 from __future__ import annotations
 
-import enum
 import time
 
 from hpcelastic.errors import SlurmError
 from hpcelastic.jobs import slurm
-from hpcelastic.reasons import Reason
+from hpcelastic.reasons import Named, Reason
 
 #: Where the signal lead is unknown: a stop this close to EndTime is the time limit.
 TIME_LIMIT_WINDOW_S = 300.0
@@ -26,16 +25,13 @@ SIGNAL_EARLY_S = 60.0
 LIMIT_SLACK_S = 5.0
 
 
-class Stop(str, enum.Enum):
+class Stop(Named):
     """Why Slurm ended or is ending the job."""
 
     CANCELLED = "cancelled"
     TIME_LIMIT = "time_limit"
     PREEMPTED = "preempted"
     NODE_FAILURE = "node_failure"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def reason(self) -> Reason | None:

@@ -11,7 +11,6 @@ Every Slurm command goes through :mod:`hpcelastic.jobs.slurm`.
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import signal
 import sys
@@ -31,7 +30,7 @@ from hpcelastic.lifecycle.cancel import is_cancelled, mark_cancelled
 from hpcelastic.lifecycle.classify import Stop, slurm_ending
 from hpcelastic.lifecycle.history import History
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Decision, RequeueMode, Settings
-from hpcelastic.reasons import JobEnd, Reason
+from hpcelastic.reasons import JobEnd, Named, Reason
 from hpcelastic.rundir import RunDir
 from hpcelastic.runindex import record_job
 
@@ -39,7 +38,7 @@ DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 T = TypeVar("T")
 
 
-class Result(str, enum.Enum):
+class Result(Named):
     """What ending the attempt did."""
 
     NOT_NEEDED = "not_needed"  # the job succeeded
@@ -48,9 +47,6 @@ class Result(str, enum.Enum):
     SKIPPED = "skipped"  # not brought back (the message says why)
     FAILED = "failed"  # requeue and resubmit both failed
     ALREADY_DECIDED = "already_decided"  # another process decided this attempt
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -6,26 +6,22 @@ The rules are in docs/ARCHITECTURE.md ("Requeue policy").
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from hpcelastic import sites
 from hpcelastic.errors import UserError
 from hpcelastic.lifecycle.history import History
-from hpcelastic.reasons import JobEnd, Reason, SkipReason
+from hpcelastic.reasons import JobEnd, Named, Reason, SkipReason
 
 DEFAULT_MAX_REQUEUES: int = sites.default("requeue.max_requeues")
 MAX_STOPS_WITHOUT_CHECKPOINT = 3
 
 
-class RequeueMode(str, enum.Enum):
+class RequeueMode(Named):
     """How a job comes back: the same job id (``scontrol requeue``) or a new job (``sbatch``)."""
 
     REQUEUE = "requeue"
     RESUBMIT = "resubmit"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 MODES = tuple(m.value for m in RequeueMode)
@@ -62,15 +58,12 @@ class AttemptEnd:
     signature: str | None = None
 
 
-class Action(str, enum.Enum):
+class Action(Named):
     """What the executor does."""
 
     SUCCEED = "succeed"
     SKIP = "skip"
     BRING_BACK = "bring_back"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
