@@ -18,18 +18,19 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
 from hpcelastic import events as lifecycle_events
 from hpcelastic.jobs import slurm
-from hpcelastic.jobs.slurm import parse_scontrol_record
 from hpcelastic.lifecycle.attempt_end import end_attempt
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
-from tests.slurm_utils import TRAIN, named, train_args
+from tests.slurm_utils import TRAIN, events, named, train_args
+from tests.slurm_utils import job_record as job
+from tests.slurm_utils import wait_for_event as wait_event
+from tests.slurm_utils import wait_job_state as wait_state
 from tests.testbed import Testbed
 
 pytestmark = pytest.mark.slurm
@@ -80,37 +81,6 @@ def submit(tmp_path: Path, *flags: str, steps: int = 30, train: tuple[str, ...] 
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     return str(info["job_id"]), Path(info["run_dir"])
-
-
-def events(run: Path) -> list[dict[str, Any]]:
-    """The run's events, every host's file merged (as hpcelastic reads them)."""
-    return [dict(e) for e in RunDir(run).events()] if run.is_dir() else []
-
-
-def job(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
-
-
-def wait_state(job_id: str, states: set[str], timeout: float = 180) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    rec: dict[str, str] = {}
-    while time.monotonic() < deadline:
-        rec = job(job_id)
-        if rec.get("JobState") in states:
-            return rec
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} not in {states} after {timeout:.0f} s: {rec}")
-
-
-def wait_event(run: Path, name: str, timeout: float = 120, **match: object) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for ev in events(run):
-            if ev["event"] == name and all(ev.get(k) == v for k, v in match.items()):
-                return ev
-        time.sleep(0.2)
-    raise AssertionError(f"no {name} {match} in {timeout} s: {[e['event'] for e in events(run)]}")
 
 
 def stays(job_id: str, state: str, seconds: float) -> dict[str, str]:
