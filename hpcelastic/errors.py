@@ -42,15 +42,6 @@ class UserError(HpcElasticError):
     exit_code = EXIT_USAGE
 
 
-class PortTaken(HpcElasticError):
-    """Another program holds the coordinator's port: not the user's input, so not a start-up failure.
-
-    Exit code 6 (coordinator lost): the attempt ends and the job is requeued within ``--max-requeues``.
-    """
-
-    exit_code = EXIT_COORDINATOR_LOST
-
-
 class SlurmError(HpcElasticError):
     """A Slurm command failed; the message carries Slurm's own words."""
 

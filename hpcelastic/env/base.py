@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from hpcelastic.errors import PortTaken, UserError
+from hpcelastic.errors import UserError
 from hpcelastic.rundir import RunDir
 
 
@@ -194,9 +194,9 @@ def listen(host: str, port: int, backlog: int = 4096) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortTaken(
+            raise UserError(
                 f"cannot listen on {host or '*'}:{port} for the coordinator: another program holds the port; "
-                "the attempt ends as coordinator_lost (requeued), or pick a port with --rdzv-port"
+                "leave out --rdzv-port (the coordinator then takes a free port) or pick another"
             ) from None
         raise UserError(
             f"cannot listen on {host or '*'}:{port} for the coordinator ({e.strerror}); "

@@ -38,7 +38,7 @@ from hpcelastic.env.base import (
     routable_address,
     visible_gpus,
 )
-from hpcelastic.errors import PortTaken, UserError
+from hpcelastic.errors import UserError
 from hpcelastic.parse import ASCII_INT
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -215,8 +215,8 @@ class SlurmEnvironment(Environment):
         try:
             address = coordinator_address(ctx.host, opts.interface)
             listener = listen("", opts.port or 0)
-        except (UserError, PortTaken) as e:
-            publish_coordinator(path, {"error": str(e), "exit_code": e.exit_code, "node": ctx.host})
+        except UserError as e:
+            publish_coordinator(path, {"error": str(e), "node": ctx.host})
             raise
         port = listener.getsockname()[1]
         publish_coordinator(path, {"host": address, "port": port, "node": ctx.host, "pid": os.getpid()})
@@ -268,8 +268,7 @@ def wait_for_coordinator(path: Path, timeout: float) -> tuple[str, int]:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             record = json.loads(path.read_text())
             if "error" in record:
-                error = PortTaken if record.get("exit_code") == PortTaken.exit_code else UserError
-                raise error(
+                raise UserError(
                     f"the coordinator on {record.get('node', 'node 0')} did not start: {record['error']}"
                 )
             return str(record["host"]), int(record["port"])

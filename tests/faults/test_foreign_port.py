@@ -3,7 +3,8 @@
 A forged unauthenticated refusal (zero MAC) or another program on the port is retried until the
 rendezvous deadline; then the agent ends the attempt as ``coordinator_lost`` (exit 6, requeued within
 the budget), never with exit 2, which ``finalize`` reads as a start-up failure and never requeues. A
-port held by another program on the coordinator's node is one line and exit 6 too. Real agents.
+port the user fixed with ``--rdzv-port`` that another program holds on the coordinator's node is
+permanent for that node, so it is one line and exit 2 within seconds: not requeued in a loop. Real agents.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from hpcelastic.agent import messages, protocol
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
-from hpcelastic.errors import EXIT_COORDINATOR_LOST
+from hpcelastic.errors import EXIT_COORDINATOR_LOST, EXIT_USAGE
 from tests.faults.localjob import REPO
 
 SECRET = "q" * 64
@@ -106,7 +107,7 @@ def test_agent_facing_only_unauthenticated_answers_ends_as_coordinator_lost(tmp_
     assert expected in proc.stderr, proc.stderr
 
 
-def test_coordinator_port_held_by_another_program_is_one_line_exit_6(tmp_path, listener) -> None:
+def test_coordinator_port_held_by_another_program_is_one_line_exit_2(tmp_path, listener) -> None:
     port = listener.getsockname()[1]
     run = tmp_path / "run"
     run.mkdir()
@@ -122,8 +123,9 @@ def test_coordinator_port_held_by_another_program_is_one_line_exit_6(tmp_path, l
         cwd=tmp_path,
     )
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == EXIT_COORDINATOR_LOST, proc.stderr
+    assert proc.returncode == EXIT_USAGE, proc.stderr
     assert len(lines) == 1 and "another program holds the port" in lines[0], proc.stderr
+    assert "--rdzv-port" in lines[0], proc.stderr
 
 
 def test_client_gives_up_at_the_deadline_with_what_it_saw(listener) -> None:

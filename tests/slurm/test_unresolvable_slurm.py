@@ -105,14 +105,14 @@ def test_job_trains_where_node_names_do_not_resolve(tb: Testbed, tmp_path: Path)
 
 def test_coordinator_port_taken_ends_in_seconds_with_one_line(tb: Testbed, tmp_path: Path) -> None:
     """The port is set by the site and held by another program: every agent ends at once with the
-    coordinator's line; the attempt ends ``coordinator_lost`` and is requeued only within the budget
-    (0 here): no requeue, no 300 s wait."""
+    coordinator's line; the attempt ends as a start-up failure and is not requeued although the
+    requeue budget (3) is not spent: no requeue loop, no 300 s wait."""
     taken = socket.socket()
     taken.bind(("", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        job, run = submit(tb, tmp_path, site(tmp_path, f"rdzv_port: {port}\n", max_requeues=0))
+        job, run = submit(tb, tmp_path, site(tmp_path, f"rdzv_port: {port}\n"))
         start = wait_started(tb, job)
         rec, _ = wait_ended(tb, job, 120)
         ended = time.time()
@@ -124,7 +124,7 @@ def test_coordinator_port_taken_ends_in_seconds_with_one_line(tb: Testbed, tmp_p
     again = tb.slurm("scontrol", "show", "job", "-o", job, check=False)
     assert "JobState=FAILED" in again and "Restarts=0" in again, again
     (end,) = named(events(run), "attempt_ended")
-    assert end["reason"] == "coordinator_lost", end
+    assert end["reason"] == "startup_failure", end
     log = "\n".join(p.read_text() for p in run.glob("slurm-*.out"))
     assert f"cannot listen on *:{port} for the coordinator: another program holds the port" in log, log[
         -3000:

@@ -11,7 +11,7 @@ from hpcelastic.env import LocalEnvironment, MPIEnvironment, SlurmEnvironment, d
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.env.base import BootstrapOptions, parse_endpoint, visible_gpus
 from hpcelastic.env.slurm import coordinator_file
-from hpcelastic.errors import PortTaken, UserError
+from hpcelastic.errors import UserError
 from hpcelastic.rundir import RunDir
 
 SRUN = {
@@ -92,11 +92,11 @@ def test_slurm_coordinator_that_cannot_listen_ends_every_agent_with_its_error(tm
     port = taken.getsockname()[1]
     try:
         head = SlurmEnvironment({**SRUN, "SLURM_NODEID": "0"})
-        with pytest.raises(PortTaken, match=f"cannot listen on \\*:{port}"):
+        with pytest.raises(UserError, match=f"cannot listen on \\*:{port}"):
             head.rendezvous(head.context(), BootstrapOptions(run_dir=tmp_path, port=port))
         other = SlurmEnvironment({**SRUN, "SLURM_NODEID": "1"})
         t0 = time.monotonic()
-        with pytest.raises(PortTaken, match="coordinator on gpu001 did not start: cannot listen"):
+        with pytest.raises(UserError, match="coordinator on gpu001 did not start: cannot listen"):
             other.rendezvous(other.context(), BootstrapOptions(run_dir=tmp_path, port=port, timeout=60))
         assert time.monotonic() - t0 < 2
     finally:
