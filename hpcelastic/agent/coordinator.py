@@ -38,6 +38,8 @@ from hpcelastic.rundir import RunDir
 
 HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
+#: How often silent agents are looked for: a lost node is seen at most this long after the heartbeat timeout.
+LIVENESS_CHECK_S = 0.1
 #: Connections not yet authenticated, at most; more are closed at once (an agent retries).
 MAX_PREAUTH = 512
 #: The largest frame before authentication (a hello is far smaller): bounds what strangers make us buffer.
@@ -177,10 +179,11 @@ class Coordinator:
 
     # ---- loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        next_hb = time.monotonic()
+        next_hb = next_check = time.monotonic()
         try:
             while not self._stop.is_set():
-                for key, mask in self._sel.select(timeout=TICK):
+                wait = min(TICK, max(0.0, next_check - time.monotonic()))
+                for key, mask in self._sel.select(timeout=wait):
                     if key.data is None:
                         self._accept()
                     elif key.data == "wake":
@@ -191,9 +194,12 @@ class Coordinator:
                 if self._accept_paused_until is not None and now >= self._accept_paused_until:
                     self._accept_paused_until = None
                     self._sel.register(self._listener, selectors.EVENT_READ, None)
+                if now >= next_check:
+                    next_check = now + LIVENESS_CHECK_S
+                    self._drop_silent(now)
                 if now >= next_hb:
                     next_hb = now + self._hb_interval
-                    self._heartbeats(now)
+                    self._heartbeats()
                 self._apply(self.state.tick())
         finally:
             for conn in list(self._conns.values()):
@@ -359,7 +365,8 @@ class Coordinator:
             text = f"hang: {a.localization.summary()}; all stacks in {path}"
         print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
 
-    def _heartbeats(self, now: float) -> None:
+    def _drop_silent(self, now: float) -> None:
+        """Drop connections stuck in the handshake and agents silent for longer than the heartbeat timeout."""
         for conn in list(self._conns.values()):
             if conn.session is None:
                 if now - conn.since > HANDSHAKE_TIMEOUT:
@@ -370,8 +377,11 @@ class Coordinator:
                 if conn.closing or time.monotonic() - conn.last_recv <= self._hb_timeout:
                     continue
                 self._drop(conn, f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)")
-                continue
-            self._send(conn, messages.Heartbeat())
+
+    def _heartbeats(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.session is not None and not conn.closing:
+                self._send(conn, messages.Heartbeat())
 
     def _send(self, conn: _Conn, msg: messages.Message) -> None:
         assert conn.session is not None
