@@ -13,7 +13,15 @@ A pure function of the event log (:func:`build_ledger`); ``hpcelastic status`` p
   (failure to the coordinator knowing: first ``worker_failed``/``node_lost``), ``teardown`` (to
   ``root_cause``: every worker stopped; to the attempt end when the attempt ends), ``rendezvous``
   (to the next ``rendezvous``; after a requeue from ``attempt_started``) and ``restart`` (to the first
-  step of the new round). **Pending** (requeue to the next ``attempt_started``) lies between attempts.
+  step of the new round), and ``shutdown`` (the attempt's last step to its end, when its last round
+  stopped without a failure and its ``last`` progress mark was written: the exit barrier and the
+  processes' exit; before, this counted as productive). **Pending** (requeue to the next
+  ``attempt_started``) lies between attempts.
+- With torchft replica groups (``--replica-groups``) the groups' rounds of one start are one round of
+  the job (a replica epoch, :mod:`hpcelastic.replica_ledger`): the job is productive while at least
+  one group steps, a failure that restarts one group only is that group's (its lane, not a job
+  incident), and time when no group steps is charged to the groups' incident. ``replica_groups`` holds
+  each group's lane and the replica figures (replica-step efficiency, as torchft reports it).
 - The failure time: a worker failure at its ``exit_ts``; a stall at ``exit_ts`` minus the stall
   timeout; a node loss at ``node_lost`` minus the heartbeat silence its reason names; a preemption or
   time limit at the first ``signal_received``.
@@ -32,10 +40,11 @@ from __future__ import annotations
 import enum
 import re
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from hpcelastic import events as ev
+from hpcelastic import replica_ledger as rl
 from hpcelastic.events import EventLog, Record
 from hpcelastic.reasons import Named, Reason
 
@@ -52,6 +61,8 @@ class Phase(Named):
     RESTART = "restart"
     PENDING = "pending"
     QUEUED = "queued"
+    SHUTDOWN = "shutdown"
+    DROPPED = "dropped"
 
 
 #: The phases of an incident inside an allocation, in the order they happen (redone work comes first).
@@ -74,6 +85,7 @@ class IncidentKind(Named):
 
 
 STARTUP_CAUSE = "startup"
+SHUTDOWN_CAUSE = "shutdown"
 _END_KIND = {
     Reason.PREEMPTED: IncidentKind.PREEMPTION,
     Reason.TIME_LIMIT: IncidentKind.TIME_LIMIT,
@@ -188,6 +200,8 @@ class Ledger:
     queued_s: float
     badput_by_cause: dict[str, float]
     badput_by_phase: dict[str, float]
+    #: torchft replica groups: per-group timelines and the job's replica figures (None without groups).
+    replica_groups: rl.ReplicaFigures | None
     steps_measured: bool
     init_estimate_s: float
     notes: list[str]
@@ -211,6 +225,7 @@ class Ledger:
         out = _plain(asdict(self))
         out["incidents"] = [{**_plain(asdict(i)), "lost_s": i.lost_s} for i in self.incidents]
         out.update(badput_s=self.badput_s, ettr=self.ettr, ettr_wall=self.ettr_wall)
+        out["replica_groups"] = self.replica_groups.to_json() if self.replica_groups is not None else None
         return out
 
 
@@ -247,6 +262,9 @@ class _Failure:
     stopped: float | None
 
 
+#: Segments that lie outside an attempt's allocation.
+_OUTSIDE = (Phase.PENDING, Phase.QUEUED)
+
 _PHASE_FIELD = {
     Phase.DETECTION: "detection_s",
     Phase.TEARDOWN: "teardown_s",
@@ -266,6 +284,8 @@ class _Builder:
         self.segments: list[Segment] = []
         self.incidents: list[Incident] = []
         self.attempts: list[AttemptSpan] = []
+        self.lanes: list[rl.GroupLane] = []
+        self.epochs: list[tuple[rl.Epoch, list[rl.GroupLane], int | None, float]] = []
         self.cursor = self.limit = 0.0
         self.checkpoints = [
             Checkpoint(t, r["step"] if isinstance(r.get("step"), int) else None, r.get("attempt"))
@@ -287,9 +307,31 @@ class _Builder:
         return [EventLog(records[a:b]) for a, b in zip(starts, ends, strict=True)]
 
     @staticmethod
-    def _measured_first(sl: EventLog, rnd: Any) -> float | None:
-        times = [t for p in sl.of(ev.PROGRESS, round=rnd) if (t := _ts(p, "step_ts")) is not None]
+    def _marks(sl: EventLog, rounds: Any) -> list[float]:
+        """The ``step_ts`` of the ``progress`` events of a round (an int) or of a set of rounds."""
+        match = rounds if isinstance(rounds, frozenset) else frozenset([rounds])
+        return [
+            t for p in sl.of(ev.PROGRESS) if p.get("round") in match and (t := _ts(p, "step_ts")) is not None
+        ]
+
+    @classmethod
+    def _measured_first(cls, sl: EventLog, rnd: Any) -> float | None:
+        times = cls._marks(sl, rnd)
         return min(times) if times else None
+
+    @staticmethod
+    def _job_rounds(sl: EventLog, epochs: list[rl.Epoch]) -> list[tuple[Record, frozenset[int]]]:
+        """The job's rounds: each ``rendezvous``, except that a replica epoch is one round of the job."""
+        rdzvs = [r for r in sl.of(ev.RENDEZVOUS) if isinstance(r.get("round"), int) and _ts(r) is not None]
+        in_epoch = {r: e for e in epochs for r in e.all_rounds}
+        out: list[tuple[Record, frozenset[int]]] = []
+        for r in rdzvs:
+            e = in_epoch.get(r["round"])
+            if e is None:
+                out.append((r, frozenset([r["round"]])))
+            elif not out or out[-1][1] != e.all_rounds:
+                out.append((r, e.all_rounds))
+        return out
 
     def _init_estimate(self) -> float:
         """Median time from ``workers_started`` to the first step, where both are known."""
@@ -301,9 +343,11 @@ class _Builder:
                     samples.append(first - spawned)
         return statistics.median(samples) if samples else 0.0
 
-    def _first_step(self, sl: EventLog, rnd: int, rd_ts: float, end: float) -> tuple[float | None, bool]:
+    def _first_step(
+        self, sl: EventLog, rnd: int, rounds: frozenset[int], rd_ts: float, end: float
+    ) -> tuple[float | None, bool]:
         """When the round reached its first step (None: never), and whether that is an estimate."""
-        measured = self._measured_first(sl, rnd)
+        measured = self._measured_first(sl, rounds)
         if measured is not None:
             return min(max(measured, rd_ts), end), False
         if sl.of(ev.PROGRESS):  # heartbeats arrived in this attempt, and none in this round
@@ -314,15 +358,34 @@ class _Builder:
         first = max(spawned + self.init_s, rd_ts)
         return (first if first < end else None), True
 
+    def _last_step(self, sl: EventLog, rounds: frozenset[int]) -> float | None:
+        """The round's last step, when its ``last`` progress mark was written (the round stopped)."""
+        if not any(
+            p.get("round") in rounds and p.get("mark") == ev.ProgressMark.LAST for p in sl.of(ev.PROGRESS)
+        ):
+            return None
+        return max(self._marks(sl, rounds))
+
     def _checkpoint_before(self, t: float) -> Checkpoint | None:
         found = [c for c in self.checkpoints if c.ts <= t]
         return found[-1] if found else None
 
-    def _round_failure(self, sl: EventLog, rnd: int, rd_ts: float, attempt: int) -> _Failure | None:
-        """The round's ``root_cause`` as an incident: worker failure, stall or node loss."""
-        cause = sl.first(ev.ROOT_CAUSE, round=rnd)
+    def _round_failure(
+        self, sl: EventLog, rounds: frozenset[int], rd_ts: float, attempt: int, epoch: rl.Epoch | None = None
+    ) -> _Failure | None:
+        """The round's ``root_cause`` as an incident: worker failure, stall or node loss (in a replica
+        epoch, only a job-wide one: a group's own root cause is in its lane)."""
+        cause = next(
+            (
+                r
+                for r in sl.of(ev.ROOT_CAUSE)
+                if r.get("round") in rounds and (epoch is None or not rl.group_level(sl, r, epoch))
+            ),
+            None,
+        )
         if cause is None:
             return None
+        rnd = cause["round"]
         error = str(cause.get("error") or "")
         exit_ts = _ts(cause, "exit_ts") or _ts(cause) or rd_ts
         estimated: list[str] = []
@@ -389,7 +452,14 @@ class _Builder:
             self.emit(phase, until, attempt, rnd, kind, incident=index, estimated=est)
 
     def _place_failure(
-        self, f: _Failure, first: float | None, est: bool, sl: EventLog, stop: float, attempt: int
+        self,
+        f: _Failure,
+        first: float | None,
+        est: bool,
+        sl: EventLog,
+        stop: float,
+        attempt: int,
+        rounds: frozenset[int] = frozenset(),
     ) -> int:
         """Productive, redone, detection and teardown time of one failure; returns the incident's index."""
         inc = f.incident
@@ -403,8 +473,10 @@ class _Builder:
                 inc.estimated.append("redone_work_s")
             steps = [
                 p["step"]
-                for p in sl.of(ev.PROGRESS, round=inc.round)
-                if isinstance(p.get("step"), int) and (_ts(p, "step_ts") or 0.0) <= inc.t_fail
+                for p in sl.of(ev.PROGRESS)
+                if p.get("round") in (rounds or {inc.round})
+                and isinstance(p.get("step"), int)
+                and (_ts(p, "step_ts") or 0.0) <= inc.t_fail
             ]
             if steps and ckpt is not None and ckpt.step is not None:
                 inc.redone_steps = max(0, max(steps) - ckpt.step)
@@ -433,39 +505,112 @@ class _Builder:
         badly = reason not in (None, Reason.SUCCEEDED) or (reason is None and not last)
         self.cursor, self.limit = a_start, a_end
         rounds: list[RoundSpan] = []
-        rdzvs = [r for r in sl.of(ev.RENDEZVOUS) if isinstance(r.get("round"), int) and _ts(r) is not None]
-        for i, rd in enumerate(rdzvs):
-            rnd, rd_ts, final = rd["round"], float(rd["ts"]), i == len(rdzvs) - 1
+        epochs = rl.epochs(sl)
+        job_rounds = self._job_rounds(sl, epochs)
+        by_rounds = {e.all_rounds: e for e in epochs}
+        stops: dict[frozenset[int], float] = {}  # a replica epoch -> the job's last step or its failure
+        for i, (rd, members) in enumerate(job_rounds):
+            rnd, rd_ts, final = rd["round"], float(rd["ts"]), i == len(job_rounds) - 1
             self.charge(recovering, Phase.RENDEZVOUS, rd_ts, attempt, rnd)
-            f = self._round_failure(sl, rnd, rd_ts, attempt)
+            f = self._round_failure(sl, members, rd_ts, attempt, by_rounds.get(members))
             if f is None and final and badly:
-                f = self._end_failure(sl, reason, attempt, rnd, rd_ts, a_end)
+                # In a replica epoch, a group's failure that healed is not what ended the attempt.
+                healed = [t for r in sl.of(ev.REPLICA_GROUP_HEALED) if (t := _ts(r)) is not None]
+                since = max([rd_ts, *healed]) if len(members) > 1 else rd_ts
+                f = self._end_failure(sl, reason, attempt, rnd, since, a_end)
             round_end = min(f.incident.t_fail, a_end) if f else a_end
-            first, est = self._first_step(sl, rnd, rd_ts, round_end)
+            first, est = self._first_step(sl, rnd, members, rd_ts, round_end)
             self.charge(recovering, Phase.RESTART, round_end if first is None else first, attempt, rnd, est)
             if recovering is not None and est and first is not None:
                 self.incidents[recovering].estimated.append("restart_to_first_step_s")
             rounds.append(RoundSpan(rnd, rd_ts, first, est, rd.get("world_size")))
             if f is None:
-                self.emit(Phase.PRODUCTIVE, a_end, attempt, rnd, "productive", estimated=est)
+                last_step = self._last_step(sl, members) if final and reason is not None else None
+                if last_step is not None and first is not None:
+                    self.emit(Phase.PRODUCTIVE, last_step, attempt, rnd, "productive", estimated=est)
+                    self.emit(Phase.SHUTDOWN, a_end, attempt, rnd, SHUTDOWN_CAUSE)
+                    stops[members] = max(last_step, first)
+                else:
+                    self.emit(Phase.PRODUCTIVE, a_end, attempt, rnd, "productive", estimated=est)
                 recovering = None
                 continue
+            stops[members] = f.incident.t_fail
             stop = a_end if final and reason is not None else (f.stopped or a_end)
-            recovering = self._place_failure(f, first, est, sl, stop, attempt)
+            recovering = self._place_failure(f, first, est, sl, stop, attempt, members)
             if not final:
                 self.incidents[recovering].recovery = "restart"
-        if not rdzvs and badly:
+        if not job_rounds and badly:
             f = self._end_failure(sl, reason, attempt, None, a_start, a_end)
             self.charge(recovering, Phase.RENDEZVOUS, f.incident.t_fail, attempt, None)
             recovering = self._place_failure(f, None, False, sl, a_end, attempt)
         # A failure with no new round yet: the attempt is still recovering (or it never started training).
         self.charge(recovering, Phase.RENDEZVOUS, a_end, attempt, None)
+        self._replica_lanes(sl, epochs, stops, attempt, a_end)
         self.attempts.append(
             AttemptSpan(
                 attempt, started.get("job_id"), a_start, a_end, ended.get("reason") if ended else None, rounds
             )
         )
         return recovering
+
+    # ---- replica groups -------------------------------------------------------------------------
+    def _replica_lanes(
+        self,
+        sl: EventLog,
+        epochs: list[rl.Epoch],
+        stops: dict[frozenset[int], float],
+        attempt: int,
+        end: float,
+    ) -> None:
+        """Each replica group's lane; the job's productive time while no group stepped becomes badput."""
+        for k, e in enumerate(epochs):
+            e_end = epochs[k + 1].start if k + 1 < len(epochs) else end
+            stop = min(stops.get(e.all_rounds, e_end), e_end)
+            after = [
+                rl.Span(max(x.t0, stop), min(x.t1, e_end), str(x.phase), x.cause, x.estimated)
+                for x in self.segments
+                if x.attempt == attempt and x.t1 > stop and x.t0 < e_end and x.phase not in _OUTSIDE
+            ]
+            lanes = rl.group_lanes(sl, e, e_end, attempt, after, stop)
+            self.lanes += lanes
+            self.epochs.append((e, lanes, rl.job_steps(sl, e), e_end))
+            self._no_group_stepping(lanes, e.start, stop)
+
+    def _no_group_stepping(self, lanes: list[rl.GroupLane], t0: float, t1: float) -> None:
+        """Job productive time in ``[t0, t1)`` when no group stepped: charged to the groups' incident."""
+        union: list[tuple[float, float]] = []
+        for a, b in sorted((s.t0, s.t1) for lane in lanes for s in lane.spans if s.phase == "productive"):
+            if union and a <= union[-1][1]:
+                union[-1] = (union[-1][0], max(union[-1][1], b))
+            else:
+                union.append((a, b))
+        if not union:  # no step was measured: nothing to compare with
+            return
+        out: list[Segment] = []
+        for seg in self.segments:
+            if seg.phase is not Phase.PRODUCTIVE or seg.t1 <= t0 or seg.t0 >= t1:
+                out.append(seg)
+                continue
+            cursor, end = seg.t0, min(seg.t1, t1)
+            for a, b in union:
+                a, b = max(a, cursor), min(b, end)
+                if b <= a:
+                    continue
+                if a > cursor:
+                    out.append(self._gap(seg, cursor, a, lanes))
+                out.append(replace(seg, t0=a, t1=b))
+                cursor = b
+            if cursor < end:
+                out.append(self._gap(seg, cursor, end, lanes))
+            if end < seg.t1:
+                out.append(replace(seg, t0=end))
+        self.segments = out
+
+    @staticmethod
+    def _gap(seg: Segment, a: float, b: float, lanes: list[rl.GroupLane]) -> Segment:
+        spans = [s for lane in lanes for s in lane.spans if s.t0 <= a < s.t1 and s.incident is not None]
+        phase, cause = (Phase(spans[0].phase), spans[0].cause) if spans else (Phase.RESTART, "unknown")
+        return Segment(a, b, phase, cause, seg.attempt, seg.round)
 
     # ---- the whole log ------------------------------------------------------------------------
     def build(self) -> Ledger:
@@ -533,6 +678,12 @@ class _Builder:
                 "(the median init time measured in this run, else 0), redone work as the time since the "
                 "last checkpoint or the round's estimated first step"
             )
+        if self.epochs:
+            notes.append(
+                "replica groups: the progress events carry the job's steps, not each group's: a group's "
+                "lane starts stepping at the job's first step and after a restart when it healed "
+                "(replica_group_healed), and ends at the job's last step"
+            )
         for inc in self.incidents:
             inc.estimated = list(dict.fromkeys(inc.estimated))
         return Ledger(
@@ -546,6 +697,7 @@ class _Builder:
             queued_s=queued,
             badput_by_cause=by_cause,
             badput_by_phase=by_phase,
+            replica_groups=rl.figures(self.epochs, allocated),
             steps_measured=self.steps_measured,
             init_estimate_s=self.init_s,
             notes=notes,
@@ -597,5 +749,48 @@ def ledger_lines(ledger: Ledger) -> list[str]:
             f"#{i} {inc.kind} ({where}): {inc.cause}; lost {duration(inc.lost_s)} = {', '.join(parts)}"
             f"{pending}; recovery: {inc.recovery}"
         )
+    if ledger.replica_groups is not None:
+        lines += _replica_lines(ledger.replica_groups, ledger.allocated_s)
     lines += [f"note: {n}" for n in ledger.notes]
+    return lines
+
+
+def _replica_lines(rep: rl.ReplicaFigures, allocated_s: float) -> list[str]:
+    """The replica groups' part of the ledger: the job's replica figures, then one line per group."""
+    eff = rep.replica_step_efficiency
+    steps = (
+        f"replica-step efficiency {100 * eff:.1f} % ({rep.replica_steps_committed} of "
+        f"{rep.replica_steps_possible} replica-steps committed)"
+        if eff is not None
+        else "replica-step efficiency n/a (no progress events)"
+    )
+    time_eff = rep.replica_time_efficiency
+    share = f"{100 * time_eff:.1f} %" if time_eff is not None else "n/a"
+    lines = [
+        f"replica groups: {rep.groups}; {steps}",
+        f"  groups stepping {share} of {rep.groups} x {duration(allocated_s)} allocated; the job counts as "
+        f"productive while at least {rep.min_groups_stepping} group steps",
+    ]
+    for t in rep.per_group:
+        parts = [f"productive {duration(t.productive_s)}", f"lost {duration(t.lost_s)}"]
+        if t.restarts:
+            parts.append(f"{t.restarts} restart(s)")
+        parts.append(f"{'~' if t.steps_missed_estimated else ''}{t.steps_missed} step(s) missed")
+        if t.dropped:
+            parts.append(f"left out for {duration(t.dropped_s)}")
+        lines.append(f"  group {t.group}: " + ", ".join(parts))
+    for lane in rep.lanes:
+        for inc in lane.incidents:
+            back = (
+                f"healed from group(s) {', '.join(map(str, inc.healed_from))}"
+                if inc.healed_from
+                else inc.recovery
+            )
+            where = f"attempt {inc.attempt} round {inc.round}"
+            lines.append(
+                f"  group {inc.group} {inc.kind} ({where}): {inc.cause}; lost "
+                f"{duration(inc.lost_s)} = detection {duration(inc.detection_s)}, teardown "
+                f"{duration(inc.teardown_s)}, rendezvous {duration(inc.rendezvous_s)}, restart and heal "
+                f"{duration(inc.restart_to_heal_s)}; {back}"
+            )
     return lines

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
 from hpcelastic.ledger import Incident, IncidentKind, Ledger, Phase, Segment, duration
+from hpcelastic.replica_ledger import GroupLane, ReplicaFigures
 
 #: Bar colour per cause (the incident kind, ``productive``, ``startup``).
 CAUSE_COLOURS = {
@@ -31,6 +32,8 @@ CAUSE_COLOURS = {
     IncidentKind.TOO_FEW_NODES.value: "#c2185b",
     IncidentKind.STARTUP_FAILURE.value: "#7f6a00",
     IncidentKind.UNKNOWN.value: "#555555",
+    "shutdown": "#b8a9c9",
+    "dropped": "#7a7a7a",
 }
 #: Strip colour per phase.
 PHASE_COLOURS = {
@@ -43,6 +46,8 @@ PHASE_COLOURS = {
     Phase.RESTART: "#8ecae6",
     Phase.PENDING: "#d9d9d9",
     Phase.QUEUED: "#d9d9d9",
+    Phase.SHUTDOWN: "#b8a9c9",
+    Phase.DROPPED: "#7a7a7a",
 }
 _PHASE_TEXT = {
     Phase.PRODUCTIVE: "productive training",
@@ -54,9 +59,13 @@ _PHASE_TEXT = {
     Phase.RESTART: "restart to the first step",
     Phase.PENDING: "pending after a requeue",
     Phase.QUEUED: "queued before the first start",
+    Phase.SHUTDOWN: "shutdown after the last step",
+    Phase.DROPPED: "replica group left out",
 }
 
 LEFT, WIDTH, RIGHT, ROW, TOP = 150, 840, 50, 78, 34
+#: The height of one replica group's lane under its attempt's bar.
+LANE = 15
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2933;
@@ -115,13 +124,25 @@ class _Timeline:
         self.t1 = max((b for _, b in spans), default=1.0)
         if self.t1 <= self.t0:
             self.t1 = self.t0 + 1.0
-        self.rows = {a.attempt: i for i, a in enumerate(ledger.attempts)}
+        self.lanes: dict[int, list[GroupLane]] = {}
+        for lane in ledger.replica_groups.lanes if ledger.replica_groups is not None else []:
+            self.lanes.setdefault(lane.attempt, []).append(lane)
+        self.tops: dict[int, float] = {}
+        top = float(TOP)
+        for a in ledger.attempts:
+            self.tops[a.attempt] = top
+            top += ROW + LANE * self._lane_rows(a.attempt)
+        self.height = top + 10 if ledger.attempts else TOP + ROW + 10
+
+    def _lane_rows(self, attempt: int) -> int:
+        """One row per replica group (its lanes of several epochs share the row)."""
+        return len({lane.group for lane in self.lanes.get(attempt, [])})
 
     def x(self, t: float) -> float:
         return LEFT + (t - self.t0) / (self.t1 - self.t0) * WIDTH
 
     def y(self, attempt: int) -> float:
-        return TOP + ROW * self.rows.get(attempt, 0)
+        return self.tops.get(attempt, float(TOP))
 
     def _row_of(self, seg: Segment) -> int:
         """Pending time is drawn in the row of the attempt it waits for (the next one) when there is one."""
@@ -139,8 +160,7 @@ class _Timeline:
         return [i * step for i in range(int(span // step) + 1)]
 
     def svg(self) -> str:
-        n = max(1, len(self.led.attempts))
-        height = TOP + ROW * n + 10
+        height = round(self.height)
         out = [
             f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + RIGHT}" '
             f'height="{height}" viewBox="0 0 {LEFT + WIDTH + RIGHT} {height}" role="img" '
@@ -206,6 +226,7 @@ class _Timeline:
                 + f'<line class="round-boundary" x1="{rx0:.1f}" y1="{y + 4}" x2="{rx0:.1f}" y2="{bar + 24}" '
                 'stroke="#52606d" stroke-width="1"/></g>'
             )
+        out += self._group_lanes(attempt, bar + 46)
         for c in self.led.checkpoints:
             if a.start <= c.ts <= a.end:
                 cx = self.x(c.ts)
@@ -217,6 +238,43 @@ class _Timeline:
                 )
         out.append("</g>")
         return "\n".join(out)
+
+    def _group_lanes(self, attempt: int, top: float) -> list[str]:
+        """One thin lane per replica group: its own timeline, coloured by phase."""
+        lanes = self.lanes.get(attempt, [])
+        rows = {g: i for i, g in enumerate(sorted({lane.group for lane in lanes}))}
+        out = []
+        for lane in lanes:
+            y = top + LANE * rows[lane.group]
+            lost = sum(i.lost_s for i in lane.incidents)
+            out.append(
+                f'<g class="group-lane" data-group="{lane.group}"><text class="small" x="14" y="{y + 10}">'
+                f"group {lane.group}</text><title>replica group {lane.group}: productive "
+                f"{duration(lane.seconds('productive'))}, lost {duration(lost)}</title>"
+            )
+            for sp in lane.spans:
+                x0, x1 = self.x(sp.t0), self.x(sp.t1)
+                phase = Phase(sp.phase)
+                tip = f"group {lane.group}: {_PHASE_TEXT[phase]}: {duration(sp.t1 - sp.t0)}" + (
+                    f" — {sp.cause}" if sp.incident is not None else ""
+                )
+                out.append(
+                    f'<rect class="lane-seg lane-{sp.phase}" data-group="{lane.group}" x="{x0:.2f}" '
+                    f'y="{y + 1}" width="{max(x1 - x0, 0.5):.2f}" height="{LANE - 4}" '
+                    f'fill="{PHASE_COLOURS[phase]}">'
+                    f"<title>{_e(tip)}</title></rect>"
+                )
+            for inc in lane.incidents:
+                x = self.x(inc.t_fail)
+                tip = f"group {inc.group}: {inc.kind} at {_clock(inc.t_fail)}: {inc.cause}"
+                colour = CAUSE_COLOURS.get(inc.kind, "#555555")
+                out.append(
+                    f'<path class="group-failure-marker" d="M{x - 4:.1f},{y} L{x + 4:.1f},{y + LANE - 2} '
+                    f'M{x + 4:.1f},{y} L{x - 4:.1f},{y + LANE - 2}" stroke="{colour}" '
+                    f'stroke-width="2"><title>{_e(tip)}</title></path>'
+                )
+            out.append("</g>")
+        return out
 
     def _segment(self, s: Segment, bar: float) -> str:
         x0, x1 = self.x(s.t0), self.x(s.t1)
@@ -363,6 +421,64 @@ def _by(ledger: Ledger, totals: dict[str, float], table_id: str, colours: dict[s
                   table_id=table_id, numeric=range(1, 3))  # fmt: skip
 
 
+def _incident_count(ledger: Ledger) -> str:
+    rep = ledger.replica_groups
+    groups = sum(len(lane.incidents) for lane in rep.lanes) if rep is not None else 0
+    return f"{len(ledger.incidents)}" + (f" + {groups} in groups" if groups else "")
+
+
+def _replica_table(rep: ReplicaFigures) -> list[str]:
+    """The replica groups: each group's time and failures, then the group incidents."""
+    rows = [
+        [
+            str(t.group),
+            duration(t.productive_s),
+            duration(t.lost_s),
+            str(t.restarts),
+            ("≈ " if t.steps_missed_estimated else "") + str(t.steps_missed),
+            duration(t.startup_s),
+            duration(t.shutdown_s),
+            duration(t.dropped_s) if t.dropped else "-",
+        ]
+        for t in rep.per_group
+    ]
+    headers = ["group", "productive", "lost", "restarts", "steps missed", "startup", "shutdown", "left out"]
+    incidents = [
+        [
+            str(i.group),
+            f"{i.attempt} / {i.round}",
+            _e(i.kind),
+            _e(i.cause),
+            duration(i.detection_s),
+            duration(i.teardown_s),
+            duration(i.rendezvous_s),
+            duration(i.restart_to_heal_s),
+            duration(i.lost_s),
+            _e(f"healed from group(s) {', '.join(map(str, i.healed_from))}" if i.healed_from else i.recovery),
+        ]
+        for lane in rep.lanes
+        for i in lane.incidents
+    ]
+    inc_headers = ["group", "attempt/ round", "kind", "what", "detection", "teardown", "rendezvous",
+                   "restart and heal", "lost", "recovery"]  # fmt: skip
+    eff = rep.replica_step_efficiency
+    summary = (
+        f"{rep.groups} replica groups; replica-step efficiency "
+        + (
+            f"{100 * eff:.1f} % ({rep.replica_steps_committed} of {rep.replica_steps_possible})"
+            if eff
+            else "n/a"
+        )
+        + f"; the job counts as productive while at least {rep.min_groups_stepping} group steps."
+    )
+    return [
+        "<h2>Replica groups</h2>",
+        f'<p id="replica-summary">{_e(summary)}</p>',
+        _table(headers, [[_e(c) for c in r] for r in rows], table_id="replica-groups", numeric=range(1, 8)),
+        _table(inc_headers, incidents, table_id="group-incidents", numeric=range(4, 9)) if incidents else "",
+    ]
+
+
 def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float | None = None) -> str:
     """The whole page as one HTML string."""
     ratio = f"{100.0 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
@@ -383,9 +499,20 @@ def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float |
         ("Allocated time", duration(ledger.allocated_s), "", "allocated"),
         ("Badput", duration(ledger.badput_s), "", "badput"),
         ("Pending after requeues", duration(ledger.pending_s), "", "pending"),
-        ("Incidents", str(len(ledger.incidents)), "", "incident-count"),
+        ("Incidents", _incident_count(ledger), "", "incident-count"),
         ("Incl. pending time", wall, "", "ettr-wall"),
     ]
+    if ledger.replica_groups is not None:
+        eff = ledger.replica_groups.replica_step_efficiency
+        kpis.insert(
+            1,
+            (
+                "Replica-step efficiency",
+                f"{100 * eff:.1f} %" if eff is not None else "n/a",
+                "",
+                "replica-steps",
+            ),
+        )
     kpi_html = "".join(
         f'<div class="kpi {cls}" id="kpi-{kid}"><div class="label">{_e(label)}</div>'
         f'<div class="value">{_e(value)}</div></div>'
@@ -421,6 +548,7 @@ def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float |
         _by(ledger, ledger.badput_by_phase, "by-phase", by_phase_colours),
         "<h2>Incidents</h2>",
         _incidents(ledger),
+        *(_replica_table(ledger.replica_groups) if ledger.replica_groups is not None else []),
         "<h2>Notes</h2>",
         '<ul class="notes">' + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>",
         f'<p class="meta">generated {_e(_clock(stamp))} by hpcelastic</p>',

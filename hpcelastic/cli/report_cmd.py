@@ -52,8 +52,11 @@ def report(run: str, output: Path | None) -> None:
     path = output if output is not None else rd.path / "report.html"
     write_atomically(path, render_report(ledger, log, run=str(rd.path)))
     ratio = f"{100 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    reps = ledger.replica_groups
+    groups = sum(len(lane.incidents) for lane in reps.lanes) if reps is not None else 0
+    more = f", {groups} in replica groups" if groups else ""
     click.echo(
-        f"wrote {path} (effective training time ratio {ratio}, {len(ledger.incidents)} incident(s))\n"
+        f"wrote {path} (effective training time ratio {ratio}, {len(ledger.incidents)} incident(s){more})\n"
         f"next: open it in a web browser (it needs no network); `hpcelastic status {rd.path}` "
         "shows the same ledger as text"
     )

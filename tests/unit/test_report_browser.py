@@ -30,6 +30,7 @@ from tests.unit.test_ledger import (
     succeed,
     worker_failure_run,
 )
+from tests.unit.test_ledger_replicas import killed_group_1_run
 
 T0 = 1_700_000_000.0
 
@@ -198,3 +199,45 @@ def test_screenshot_is_a_readable_picture(report: Path, tmp_path: Path) -> None:
     productive = bytes.fromhex("2e9d57")
     assert productive in pixels, "no productive (green) time drawn"
     assert bytes.fromhex("d64545") in pixels, "no worker-failure (red) time drawn"
+
+
+@pytest.fixture(scope="module")
+def replica_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    records = killed_group_1_run()
+    for r in records:
+        for key in ("ts", "exit_ts", "spawned_ts", "step_ts"):
+            if isinstance(r.get(key), float):
+                r[key] += T0
+    log = EventLog(records)
+    path = tmp_path_factory.mktemp("replica-report") / "report.html"
+    path.write_text(render_report(build_ledger(log), log, run="/runs/replica-run"))
+    return path
+
+
+def test_replica_groups_have_their_own_lanes(replica_report: Path, tmp_path: Path) -> None:
+    dom = _Dom()
+    dom.feed(run_chromium(tmp_path, "--dump-dom", replica_report.as_uri()).stdout)
+    lanes = [a for tag, a in dom.tags if "group-lane" in a.get("class", "").split()]
+    assert [a["data-group"] for a in lanes] == ["0", "1"]
+    assert dom.classes.get("lane-productive") == 3  # group 0 once, group 1 before and after its restart
+    assert dom.classes.get("lane-restart") == 1 and dom.classes.get("lane-shutdown") == 2
+    assert dom.classes.get("group-failure-marker") == 1
+    assert dom.classes.get("failure-marker") is None  # the job itself was never interrupted
+    assert "90.6 %" in dom.text["kpi-replica-steps"]
+    assert "0 + 1 in groups" in dom.text["kpi-incident-count"]
+    assert "145 of 160" in dom.text["replica-summary"]
+    assert "healed from group(s) 0" in dom.text["group-incidents"]
+
+
+def test_screenshot_shows_the_restarted_group_lane(replica_report: Path, tmp_path: Path) -> None:
+    shot = tmp_path / "replica.png"
+    run_chromium(tmp_path, f"--screenshot={shot}", "--window-size=1200,700", replica_report.as_uri())
+    _w, _h, rows = png_pixels(shot)
+    green, restart = bytes.fromhex("2e9d57"), bytes.fromhex("8ecae6")
+
+    def colours(row: bytes) -> set[bytes]:
+        return {row[i : i + 3] for i in range(0, len(row), 3)}
+
+    # Only group 1's lane holds productive time and its restart on one line of pixels.
+    lane_rows = [y for y, row in enumerate(rows) if {green, restart} <= colours(row)]
+    assert 5 <= len(lane_rows) <= 15, lane_rows
