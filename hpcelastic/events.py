@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcelastic.reasons import JobEnd, Named, Reason, RestartCause, SkipReason
+from hpcelastic.reasons import JobEnd, Named, Reason, Requeuer, RestartCause, SkipReason
 
 Record = Mapping[str, Any]
 
@@ -314,7 +314,9 @@ def requeued(
     exclude: Sequence[str],
     duration_s: float,
     note: str | None,
+    by: Requeuer = Requeuer.HPCELASTIC,
 ) -> Event:
+    """The job is queued again with the same id; ``by``: who requeued it (Slurm: hpcelastic did not)."""
     return _event(
         REQUEUED,
         job_id=job_id,
@@ -323,6 +325,7 @@ def requeued(
         exclude=list(exclude),
         duration_s=duration_s,
         note=note,
+        by=by,
     )
 
 

@@ -162,3 +162,26 @@ def parse_env(items: Sequence[str]) -> dict[str, str]:
         no_nul(value, f"--env {key}")
         out[key] = value
     return out
+
+
+def check_no_task_array(options: Sequence[str], where: str) -> None:
+    """:class:`UserError` when the sbatch ``options`` ask for a job array of several tasks.
+
+    Every task of an array would run the one batch script, so they would share one run directory,
+    its attempts and its checkpoints. Recognised as sbatch parses them: ``--array=0-3``,
+    ``--array 0-3``, an unambiguous prefix (``--arr=0-3``), ``-a0-3`` and ``-a 0-3``. A single
+    index (``--array=3``) is one task and is accepted.
+    """
+    for i, opt in enumerate(options):
+        name, eq, value = opt.partition("=")
+        if len(name) >= 4 and "--array".startswith(name):
+            spec = value if eq else (options[i + 1] if i + 1 < len(options) else "")
+        elif opt.startswith("-a"):
+            spec = opt[2:].removeprefix("=") or (options[i + 1] if i + 1 < len(options) else "")
+        else:
+            continue
+        if not re.fullmatch(r"[0-9]+(%[0-9]+)?", spec):
+            raise UserError(
+                f"{where} {opt!r}: job arrays of several tasks are not supported (the tasks would share "
+                "one run directory and its checkpoints); submit one job per task, each with its own --run-dir"
+            )

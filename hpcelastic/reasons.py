@@ -103,6 +103,14 @@ class JobEnd(Named):
     CANCELLED = "cancelled"
 
 
+class Requeuer(Named):
+    """Who queued the job again (``requeued.by``): hpcelastic (``scontrol requeue``) or Slurm itself
+    (preemption with PreemptMode=REQUEUE), after which hpcelastic neither requeues nor resubmits."""
+
+    HPCELASTIC = "hpcelastic"
+    SLURM = "slurm"
+
+
 class RestartCause(Named):
     """Why the workers of a round are restarted inside the allocation (event ``restarting``)."""
 

@@ -130,7 +130,8 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     events.REQUEUED: lambda e: (
         f"requeued as attempt {e.get('attempt')}",
         f"{e.get('reason')}; job {e.get('job_id')}; excluded nodes {_nodes(e.get('exclude'))}"
-        + (f"; took {e['duration_s']:.2f} s" if isinstance(e.get("duration_s"), (int, float)) else ""),
+        + (f"; took {e['duration_s']:.2f} s" if isinstance(e.get("duration_s"), (int, float)) else "")
+        + ("; requeued by Slurm itself" if e.get("by") == "slurm" else ""),
     ),
     events.RESUBMITTED: lambda e: (
         f"resubmitted as attempt {e.get('attempt')}",

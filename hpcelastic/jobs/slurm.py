@@ -254,13 +254,14 @@ class JobState:
 def query_states(job_ids: Sequence[str]) -> dict[str, JobState]:
     """States of ``job_ids`` with one ``squeue`` call (finished jobs still known to slurmctld included).
 
-    Jobs that slurmctld no longer knows are simply absent from the result.
+    Jobs that slurmctld no longer knows are simply absent from the result. The id of a job array
+    with one task (what sbatch printed) gets that task's row (squeue lists only ``A_T``).
     """
     if not job_ids:
         return {}
     try:
         out = run_slurm(
-            ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"],
+            ["squeue", "-h", "-r", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%N"],
             timeout=30,
         )
     except SlurmError as e:
@@ -272,6 +273,10 @@ def query_states(job_ids: Sequence[str]) -> dict[str, JobState]:
         parts = line.strip().split("|")
         if len(parts) == 4:
             states[parts[0]] = JobState(*parts)
+    for jid in job_ids:
+        tasks = [state for key, state in states.items() if key.startswith(f"{jid}_")]
+        if jid not in states and len(tasks) == 1:
+            states[jid] = tasks[0]
     return states
 
 

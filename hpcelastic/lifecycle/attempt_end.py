@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hpcelastic import events
+from hpcelastic import events, handoff
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.lifecycle.classify import Stop, slurm_stop
 from hpcelastic.lifecycle.executor import Executor
@@ -45,8 +45,9 @@ def end_attempt(
     The attempt's root cause is read from the event log. ``exit_code`` defaults to ``reason.exit_code``.
     """
     settings = Settings.parse(requeue_mode, max_requeues)
+    slurm_requeued = False
     if reason is not Reason.SUCCEEDED and job_id:
-        reason = _slurm_reason(run_dir, job_id, reason)
+        reason, slurm_requeued = _slurm_reason(run_dir, job_id, reason)
     end = AttemptEnd(
         attempt=attempt,
         reason=reason,
@@ -55,21 +56,26 @@ def end_attempt(
         bad_nodes=tuple(bad_nodes),
         progressed=progressed,
         signature=root_cause_signature(attempt_root_cause(run_dir.events())),
+        slurm_requeued=slurm_requeued,
     )
     outcome = (executor or Executor()).conclude(run_dir, end, settings)
     return EndOutcome(outcome.exit_code, outcome.message)
 
 
-def _slurm_reason(run_dir: RunDir, job_id: str, reason: Reason) -> Reason:
-    """``reason`` as Slurm's record of ``job_id`` corrects it; marks the run cancelled on a cancel."""
+def _slurm_reason(run_dir: RunDir, job_id: str, reason: Reason) -> tuple[Reason, bool]:
+    """``reason`` as Slurm's record of ``job_id`` corrects it, and whether Slurm requeued the job itself
+    (preemption with PreemptMode=REQUEUE); marks the run cancelled on a cancel."""
     lead = run_dir.read_meta().get("signal_lead_s")
-    stop = slurm_stop(
+    rec = handoff.load(run_dir)
+    verdict = slurm_stop(
         job_id,
         signalled=reason is Reason.PREEMPTED,
         signal_lead_s=float(lead) if isinstance(lead, (int, float)) else None,
+        restart_count=rec.restart_count_slurm if rec.job_id == job_id else None,
     )
+    stop = verdict.stop
     if stop is Stop.CANCELLED:
         mark_cancelled(run_dir)
         run_dir.record(events.cancelled(job_id=job_id))
-        return reason
-    return reason if stop is None or stop.reason is None else stop.reason
+        return reason, False
+    return (reason if stop is None or stop.reason is None else stop.reason), verdict.requeued

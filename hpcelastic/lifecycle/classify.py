@@ -6,12 +6,16 @@ What ``scontrol show job`` shows while the batch script's trap runs (Slurm 22.05
 * ``scancel``: ``JobState=COMPLETING``, ``EndTime`` = the cancel time, well short of ``TimeLimit``;
 * the time limit's ``--signal``: ``RUNNING``, ``EndTime`` = the limit, at most the signal lead (+60 s) away;
 * the limit itself: ``TIMEOUT``/``COMPLETING`` with ``EndTime - StartTime`` = ``TimeLimit``;
-* preemption: ``PreemptTime`` set; a node's death: ``NODE_FAIL`` (``Reason=NodeDown``).
+* preemption: ``PreemptTime`` set; a node's death: ``NODE_FAIL`` (``Reason=NodeDown``);
+* preemption with ``PreemptMode=REQUEUE`` (the job may requeue): Slurm requeues it at once, so the
+  trap sees ``COMPLETING`` (then ``PENDING``), ``Restarts`` already one past the attempt's, no
+  ``PreemptTime`` and ``EndTime - StartTime = TimeLimit`` (the requeued job's new times).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from hpcelastic.errors import SlurmError
 from hpcelastic.jobs import slurm
@@ -50,11 +54,20 @@ def limit_reached(info: slurm.JobInfo) -> bool:
     return info.end_time - info.start_time >= info.time_limit_s - LIMIT_SLACK_S
 
 
-def slurm_ending(info: slurm.JobInfo) -> Stop | None:
-    """Why Slurm is ending the job, when its record says it is; None while it runs normally."""
+def requeued_by_slurm(info: slurm.JobInfo, restart_count: int | None) -> bool:
+    """Slurm has queued the job again itself during the attempt whose Slurm restart count is
+    ``restart_count`` (preemption with ``PreemptMode=REQUEUE``, an admin's ``scontrol requeue``)."""
+    return restart_count is not None and info.restarts is not None and info.restarts > restart_count
+
+
+def slurm_ending(info: slurm.JobInfo, restart_count: int | None = None) -> Stop | None:
+    """Why Slurm is ending the job, when its record says it is; None while it runs normally.
+
+    ``restart_count``: the attempt's ``SLURM_RESTART_COUNT``; a job Slurm requeued past it is preempted.
+    """
     if info.state == "NODE_FAIL" or (info.state == "COMPLETING" and info.reason.startswith("Node")):
         return Stop.NODE_FAILURE
-    if info.preempt_time is not None or info.state == "PREEMPTED":
+    if info.preempt_time is not None or info.state == "PREEMPTED" or requeued_by_slurm(info, restart_count):
         return Stop.PREEMPTED
     if info.state in ("TIMEOUT", "DEADLINE") or (info.state == "COMPLETING" and limit_reached(info)):
         return Stop.TIME_LIMIT
@@ -63,7 +76,13 @@ def slurm_ending(info: slurm.JobInfo) -> Stop | None:
     return None
 
 
-def classify_stop(info: slurm.JobInfo | None, now: float, *, signal_lead_s: float | None = None) -> Stop:
+def classify_stop(
+    info: slurm.JobInfo | None,
+    now: float,
+    *,
+    signal_lead_s: float | None = None,
+    restart_count: int | None = None,
+) -> Stop:
     """Why the job was told to stop (the trap saw the stop signal or TERM).
 
     Slurm's own verdict first (:func:`slurm_ending`); a running job signalled within the signal lead
@@ -72,7 +91,7 @@ def classify_stop(info: slurm.JobInfo | None, now: float, *, signal_lead_s: floa
     """
     if info is None:
         return Stop.PREEMPTED
-    ending = slurm_ending(info)
+    ending = slurm_ending(info, restart_count)
     if ending is not None:
         return ending
     window = TIME_LIMIT_WINDOW_S if signal_lead_s is None else signal_lead_s + SIGNAL_EARLY_S + LIMIT_SLACK_S
@@ -81,19 +100,39 @@ def classify_stop(info: slurm.JobInfo | None, now: float, *, signal_lead_s: floa
     return Stop.PREEMPTED
 
 
-def slurm_stop(job_id: str, *, signalled: bool, signal_lead_s: float | None = None) -> Stop | None:
-    """One ``scontrol show job``: why Slurm stops ``job_id``.
+@dataclass(frozen=True)
+class SlurmVerdict:
+    """What Slurm's record says about the end of an attempt."""
+
+    stop: Stop | None
+    #: Slurm has queued the job again itself (:func:`requeued_by_slurm`): nobody may requeue or resubmit it.
+    requeued: bool = False
+
+
+def slurm_stop(
+    job_id: str,
+    *,
+    signalled: bool,
+    signal_lead_s: float | None = None,
+    restart_count: int | None = None,
+) -> SlurmVerdict:
+    """One ``scontrol show job``: why Slurm stops ``job_id``, and whether it requeued the job itself.
 
     ``signalled``: the job got a stop signal, so it is stopping whatever Slurm says
     (:func:`classify_stop`); otherwise only Slurm's own verdict counts (None while it runs on).
+    ``restart_count``: the attempt's ``SLURM_RESTART_COUNT`` (see :func:`requeued_by_slurm`).
     """
     try:
         info: slurm.JobInfo | None = slurm.job_info(job_id)
     except SlurmError:
         info = None
+    if info is None:
+        return SlurmVerdict(Stop.PREEMPTED if signalled else None)
+    requeued = requeued_by_slurm(info, restart_count)
     if signalled:
-        return classify_stop(info, time.time(), signal_lead_s=signal_lead_s)
-    return None if info is None else slurm_ending(info)
+        stop = classify_stop(info, time.time(), signal_lead_s=signal_lead_s, restart_count=restart_count)
+        return SlurmVerdict(stop, requeued)
+    return SlurmVerdict(slurm_ending(info, restart_count), requeued)
 
 
 def classify_stop_signal(job_id: str, *, now: float | None = None) -> Stop:

@@ -27,10 +27,10 @@ from hpcelastic.errors import SlurmError
 from hpcelastic.jobs import slurm
 from hpcelastic.lifecycle import policy
 from hpcelastic.lifecycle.cancel import is_cancelled, mark_cancelled
-from hpcelastic.lifecycle.classify import Stop, slurm_ending
+from hpcelastic.lifecycle.classify import Stop, requeued_by_slurm, slurm_ending
 from hpcelastic.lifecycle.history import History
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Decision, RequeueMode, Settings
-from hpcelastic.reasons import JobEnd, Named, Reason
+from hpcelastic.reasons import JobEnd, Named, Reason, Requeuer
 from hpcelastic.rundir import RunDir
 from hpcelastic.runindex import record_job
 
@@ -143,6 +143,8 @@ class Executor:
     def _skip(self, rd: RunDir, end: AttemptEnd, decision: Decision) -> Outcome:
         assert decision.skip is not None and decision.job_end is not None
         rd.record(events.requeue_skipped(reason=decision.skip, attempt=end.attempt, detail=decision.message))
+        if decision.slurm_requeued and end.job_id:  # Slurm queued it again itself: it must not run again
+            self._retrying(lambda: slurm.cancel(str(end.job_id)))
         rd.record(
             events.job_failed(exit_code=decision.exit_code, reason=decision.job_end, attempt=end.attempt)
         )
@@ -158,10 +160,13 @@ class Executor:
         job_id, exclude, attempt, reason = decision.job_id, list(decision.exclude), end.attempt, end.reason
         if self._cancelled_meanwhile(rd, job_id):  # scontrol requeue would bring a cancelled job back
             return self._skip(rd, end, policy.cancelled_decision(end, decision.progressed))
+        if decision.slurm_requeued:  # preemption: a requeue or a resubmit now would run it twice
+            return self._slurm_requeued(rd, end, decision, t0)
         if settings.mode is RequeueMode.REQUEUE:
             error, exclude_error = self._requeue(job_id, exclude, list(decision.release))
+            by = Requeuer.HPCELASTIC
             if error is not None and self._already_pending(rd, job_id):
-                error = None
+                error, by = None, Requeuer.SLURM
                 exclude_error = exclude_error or "Slurm had already requeued the job"
             if error is None:
                 duration = round(time.monotonic() - t0, 4)
@@ -173,6 +178,7 @@ class Executor:
                         exclude=exclude,
                         duration_s=duration,
                         note=exclude_error,
+                        by=by,
                     )
                 )
                 msg = f"attempt {attempt} ended ({reason}); job {job_id} requeued as attempt {attempt + 1}"
@@ -215,6 +221,30 @@ class Executor:
         return Outcome(
             Result.RESUBMITTED, reason, decision.exit_code, attempt, attempt + 1, new_id, msg, duration
         )
+
+    def _slurm_requeued(self, rd: RunDir, end: AttemptEnd, decision: Decision, t0: float) -> Outcome:
+        """Slurm has queued the job again itself: record it, exclude the bad nodes, submit nothing."""
+        assert decision.job_id is not None
+        job_id, attempt, reason = decision.job_id, end.attempt, end.reason
+        _, exclude_error = self._retrying(
+            lambda: slurm.exclude_nodes(job_id, list(decision.exclude), release=list(decision.release))
+        )
+        duration = round(time.monotonic() - t0, 4)
+        rd.record(
+            events.requeued(
+                job_id=job_id,
+                attempt=attempt + 1,
+                reason=reason,
+                exclude=decision.exclude,
+                duration_s=duration,
+                note=exclude_error,
+                by=Requeuer.SLURM,
+            )
+        )
+        msg = f"attempt {attempt} ended ({reason}); Slurm requeued job {job_id} as attempt {attempt + 1}"
+        self.say(msg + _nodes_note(decision.exclude))
+        code = decision.exit_code
+        return Outcome(Result.REQUEUED, reason, code, attempt, attempt + 1, job_id, msg, duration)
 
     def _already_decided(self, rd: RunDir, end: AttemptEnd) -> Outcome:
         reason: Reason | JobEnd = end.reason
@@ -268,7 +298,7 @@ class Executor:
             info = slurm.job_info(job_id)
         except SlurmError:
             return False
-        if slurm_ending(info) is not Stop.CANCELLED:
+        if slurm_ending(info, _attempt_restarts(rd, job_id)) is not Stop.CANCELLED:
             return False
         mark_cancelled(rd)
         rd.record(events.cancelled(job_id=job_id))
@@ -282,9 +312,7 @@ class Executor:
             return False
         if info.state in slurm.PENDING_AGAIN_STATES:
             return True
-        rec = handoff.load(rd)
-        known = rec.restart_count_slurm if rec.job_id == job_id else None
-        return info.restarts is not None and known is not None and info.restarts > known
+        return requeued_by_slurm(info, _attempt_restarts(rd, job_id))
 
     def _resubmit(self, rd: RunDir, job_id: str, exclude: list[str]) -> tuple[str | None, str | None]:
         """Submit ``<run>/job.sbatch`` again after ``job_id``; returns (new job id, error)."""
@@ -313,6 +341,12 @@ class Executor:
             return slurm.sbatch(rd.script_path, args, env=env, cwd=cwd)
 
         return self._retrying(submit_once)
+
+
+def _attempt_restarts(rd: RunDir, job_id: str) -> int | None:
+    """The Slurm restart count of the attempt of ``job_id`` that the run is in (None: not that job)."""
+    rec = handoff.load(rd)
+    return rec.restart_count_slurm if rec.job_id == job_id else None
 
 
 def _work_dir(rd: RunDir, job_id: str) -> str:

@@ -56,6 +56,8 @@ class AttemptEnd:
     bad_nodes: tuple[str, ...] = ()
     progressed: bool = False
     signature: str | None = None
+    #: Slurm has queued the job again itself (preemption with PreemptMode=REQUEUE).
+    slurm_requeued: bool = False
 
 
 class Action(Named):
@@ -73,6 +75,8 @@ class Decision:
     ``progressed`` is what ``attempt_ended`` records. ``SKIP`` carries ``skip`` (why), ``job_end``
     (the ``job_failed`` reason) and ``message``; ``BRING_BACK`` carries ``job_id``, ``exclude`` and
     ``release`` (nodes excluded before whose cooldown is over).
+    ``slurm_requeued``: Slurm has queued the job again itself; a ``BRING_BACK`` then neither requeues
+    nor resubmits (a second requeue or a duplicate job), a ``SKIP`` cancels the job Slurm queued.
     ``exit_code`` is what the caller exits with.
     """
 
@@ -85,6 +89,7 @@ class Decision:
     job_id: str | None = None
     exclude: tuple[str, ...] = ()
     release: tuple[str, ...] = ()
+    slurm_requeued: bool = False
 
 
 def stops_without_checkpoint(history: History, end: AttemptEnd) -> int:
@@ -113,6 +118,7 @@ def cancelled_decision(end: AttemptEnd, progressed: bool) -> Decision:
         SkipReason.CANCELLED,
         JobEnd.CANCELLED,
         "the run was cancelled by the user",
+        slurm_requeued=end.slurm_requeued,
     )
 
 
@@ -121,7 +127,9 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
     progressed = end.progressed or history.published_in_attempt
 
     def skip(why: SkipReason, job_end: Reason | JobEnd, code: int, message: str) -> Decision:
-        return Decision(Action.SKIP, code, progressed, why, job_end, message)
+        return Decision(
+            Action.SKIP, code, progressed, why, job_end, message, slurm_requeued=end.slurm_requeued
+        )
 
     if end.reason is Reason.SUCCEEDED:
         return Decision(Action.SUCCEED, Reason.SUCCEEDED.exit_code, progressed, message="the job succeeded")
@@ -175,4 +183,5 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
         job_id=end.job_id,
         exclude=exclude,
         release=tuple(n for n in history.released_nodes if n not in exclude),
+        slurm_requeued=end.slurm_requeued,
     )

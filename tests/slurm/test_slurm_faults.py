@@ -1,7 +1,8 @@
 """Faults as Slurm makes them (issue 9): plain scancel, a node that really dies, a cut-off agent.
 
-Everything runs on a 3-node testbed instance of this module's own (``faults``: 127.0.7.x, ports
-7417/17601.., SlurmdTimeout 10 s), never on the shared default instance: a node is killed here.
+Everything that disturbs a cluster runs on a 3-node testbed instance of this module's own (``faults``:
+127.0.7.x, ports 7417/17601.., SlurmdTimeout 10 s), never on the shared default instance: a node is
+killed here. Cancelling an array task disturbs nothing and runs on the default instance.
 Jobs go through ``hpcelastic submit``; the assertions read Slurm's own record (``scontrol show
 job``: JobState, Restarts, NodeList) and the run's events. Training is real gloo on CPU.
 """
@@ -179,6 +180,50 @@ def test_a_decision_after_a_plain_scancel_does_not_bring_the_job_back(
     assert not named(evs, "requeued") and not named(evs, "resubmitted") and rd.job_ids() == [job_id]
     assert named(evs, "job_failed")[-1]["reason"] == "cancelled"
     assert status_outcome(rd.path) == "cancelled"
+
+
+# ---- 1: plain scancel of an array task (on the default instance: nothing is disturbed) --------------
+@pytest.fixture
+def default_instance(slurm_jobs: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """The shared default instance (not this module's own); every job in the list is scancelled after."""
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return slurm_jobs
+
+
+def test_plain_scancel_of_a_running_array_task_stays_cancelled(
+    tmp_path: Path, default_instance: list[str]
+) -> None:
+    """``--sbatch-arg=--array=3`` (a one-task array; arrays of several tasks are refused at submit, their
+    tasks would share one run directory): plain ``scancel A_3`` of the running task leaves it CANCELLED
+    with Restarts=0, no new job, and a ``cancelled`` outcome; the run knows the task as ``A_3``."""
+    array_id, run = submit(
+        tmp_path, "--nodes", "1", "--sbatch-arg=--array=3", steps=400, train=("--step-time", "0.2")
+    )
+    default_instance.append(array_id)
+    task = f"{array_id}_3"
+    wait_state(task, {"RUNNING"}, 60)
+    wait_event(run, "progress")
+    subprocess.run(["scancel", task], check=True)
+    rec = stays(task, "CANCELLED", 25)  # cred_expire is 10 s: a requeue would be RUNNING again
+    assert rec["Restarts"] == "0" and rec["ArrayJobId"] == array_id and rec["ArrayTaskId"] == "3", rec
+    assert slurm.jobs_running_script(RunDir(run).script_path) == []  # no new job
+    evs = events(run)
+    assert [e["job_id"] for e in named(evs, "attempt_started")] == [task]
+    assert [e["job_id"] for e in named(evs, "cancelled")] == [task]
+    assert not named(evs, "requeued") and not named(evs, "resubmitted")
+    assert named(evs, "job_failed")[-1]["reason"] == "cancelled"
+    assert status_outcome(run) == "cancelled"
+
+
+def test_plain_scancel_of_a_pending_array(tmp_path: Path, default_instance: list[str]) -> None:
+    array_id, run = submit(tmp_path, "--nodes", "1", "--sbatch-arg=--array=2", "--sbatch-arg=--begin=now+600")
+    default_instance.append(array_id)
+    assert job(f"{array_id}_2")["JobState"] == "PENDING"
+    subprocess.run(["scancel", array_id], check=True)
+    rec = stays(f"{array_id}_2", "CANCELLED", 3)
+    assert rec["Restarts"] == "0" and not named(events(run), "attempt_started")
+    assert status_outcome(run) == "cancelled"
 
 
 # ---- 4: one agent cut off from the coordinator -----------------------------------------------------

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hpcelastic.jobs import slurm
-from hpcelastic.lifecycle.classify import Stop, classify_stop, slurm_ending
+from hpcelastic.lifecycle.classify import Stop, classify_stop, requeued_by_slurm, slurm_ending
+from hpcelastic.lifecycle.history import History
+from hpcelastic.lifecycle.policy import Action, AttemptEnd, RequeueMode, Settings, decide
 from hpcelastic.reasons import Reason
 
 NOW = 10_000.0
@@ -76,3 +78,42 @@ def test_job_info_from_a_record() -> None:
     assert rec.end_time is not None and rec.start_time is not None and rec.end_time - rec.start_time == 600
     assert rec.preempt_time is None
     assert slurm.parse_limit("UNLIMITED") is None and slurm.parse_limit("10:00") == 600
+
+
+# Measured on the testbed with PreemptMode=REQUEUE (tests/slurm/test_slurm_preemption.py): Slurm has
+# requeued the job already when the trap runs. COMPLETING, Restarts=1 (the attempt ran with 0), no
+# PreemptTime, Reason=None, and the requeued job's new StartTime/EndTime, TimeLimit apart.
+PREEMPTED_REQUEUED = slurm.JobInfo("COMPLETING", 1, NOW + 600, None, "/tmp", NOW, 600, "None")
+
+
+@pytest.mark.parametrize("limit", [600, None])  # with or without a time limit
+@pytest.mark.parametrize("state", ["COMPLETING", "PENDING"])
+def test_preemption_that_slurm_requeued_is_a_preemption(limit: int | None, state: str) -> None:
+    rec = slurm.JobInfo(state, 1, NOW + 600, None, "/tmp", NOW, limit, "None")
+    assert classify_stop(rec, NOW, signal_lead_s=60, restart_count=0) is Stop.PREEMPTED
+    assert slurm_ending(rec, 0) is Stop.PREEMPTED
+    assert requeued_by_slurm(rec, 0) and not requeued_by_slurm(rec, 1) and not requeued_by_slurm(rec, None)
+
+
+def test_without_the_attempts_restart_count_the_same_record_was_misread() -> None:
+    """What the product did before: a time limit (EndTime - StartTime = TimeLimit), or with no limit a
+    user's cancel (the run would never have come back)."""
+    assert classify_stop(PREEMPTED_REQUEUED, NOW, signal_lead_s=60) is Stop.TIME_LIMIT
+    no_limit = slurm.JobInfo("COMPLETING", 1, NOW + 600, None, "/tmp", NOW, None, "None")
+    assert slurm_ending(no_limit) is Stop.CANCELLED
+
+
+def test_a_cancel_or_a_node_failure_is_not_taken_for_slurms_requeue() -> None:
+    cancel = slurm.JobInfo("COMPLETING", 0, NOW, None, "/tmp", NOW - 500, 3500, "None")
+    assert slurm_ending(cancel, 0) is Stop.CANCELLED
+    node = slurm.JobInfo("NODE_FAIL", 1, NOW, None, "/tmp", NOW - 500, 3500, "NodeDown")
+    assert slurm_ending(node, 0) is Stop.NODE_FAILURE
+
+
+@pytest.mark.parametrize("mode", [RequeueMode.REQUEUE, RequeueMode.RESUBMIT])
+def test_policy_brings_back_what_slurm_requeued_without_a_second_requeue(mode: RequeueMode) -> None:
+    end = AttemptEnd(0, Reason.PREEMPTED, Reason.PREEMPTED.exit_code, "7", slurm_requeued=True)
+    decision = decide(History(0), end, Settings(mode, 0))  # a preemption needs no failure budget
+    assert decision.action is Action.BRING_BACK and decision.slurm_requeued
+    cancelled = decide(History(0, cancelled=True), end, Settings(mode, 0))
+    assert cancelled.action is Action.SKIP and cancelled.slurm_requeued  # the executor scancels it

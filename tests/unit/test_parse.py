@@ -63,3 +63,27 @@ def test_env_and_module_names() -> None:
     assert parse.check_module_name("pkg.train") == "pkg.train"
     with pytest.raises(UserError, match="is not a Python module name"):
         parse.check_module_name("a b")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--array=0-1"],
+        ["--array", "1,3"],
+        ["--arr=0-7:2"],
+        ["-a0-3"],
+        ["-a", "2-3%1"],
+        ["-a=4-5"],
+        ["--array"],
+    ],
+)
+def test_a_job_array_of_several_tasks_is_refused(options: list[str]) -> None:
+    with pytest.raises(UserError, match=f"--sbatch-arg '{options[0]}': job arrays of several tasks"):
+        parse.check_no_task_array(["--mem=0", *options], "--sbatch-arg")
+
+
+@pytest.mark.parametrize(
+    "options", [[], ["--array=3"], ["--array", "7%1"], ["-a5"], ["--account=x", "-A", "y"]]
+)
+def test_one_task_or_no_array_is_accepted(options: list[str]) -> None:
+    parse.check_no_task_array(options, "--sbatch-arg")
