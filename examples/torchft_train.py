@@ -15,7 +15,10 @@ Each step's batch is a function of (step, replica group, rank in the group). Che
 the worker API (``publish_checkpoint`` / ``resume_path``), so a requeued job resumes. With
 ``--out-dir`` rank 0 of each group writes ``group<G>.json``: the steps it committed with their
 times and the final parameters. ``--crash-group G --crash-at-step S`` SIGKILLs rank
-``--crash-rank`` of group G once (a marker file in ``--out-dir`` keeps it to one crash per run).
+``--crash-rank`` of group G once (a marker file in ``--out-dir`` keeps it to one crash per run);
+with ``--fault hang`` that rank sleeps instead, for good (a hang for ``--stall-timeout`` to find).
+After a preemption or time-limit signal every rank stops after the job's one stop step
+(``worker.should_stop()``); rank 0 of each group checkpoints it first.
 """
 
 from __future__ import annotations
@@ -49,9 +52,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0, help="torchft collective timeout (s)")
     p.add_argument("--quorum-timeout", type=float, default=30.0, help="torchft quorum timeout (s)")
     p.add_argument("--out-dir", type=Path)
+    p.add_argument("--no-heartbeat", action="store_true", help="send no worker.heartbeat (stacks show hangs)")
+    p.add_argument("--resume", help="a checkpoint to start from when the run has none published (a rerun)")
     p.add_argument("--crash-group", type=int, default=-1)
     p.add_argument("--crash-rank", type=int, default=0, help="rank within the group")
     p.add_argument("--crash-at-step", type=int, default=-1)
+    p.add_argument(
+        "--fault", choices=("kill", "hang"), default="kill", help="what happens at --crash-at-step"
+    )
     return p.parse_args()
 
 
@@ -82,6 +90,9 @@ def maybe_crash(args: argparse.Namespace, group: int, rank: int, step: int) -> N
         if marker.exists():
             return
         marker.write_text(json.dumps({"ts": time.time(), "group": group, "rank": rank, "step": step}))
+    if args.fault == "hang":
+        print(f"group {group} rank {rank}: hanging at step {step}", flush=True)
+        time.sleep(1e6)
     print(f"group {group} rank {rank}: SIGKILL at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -113,17 +124,28 @@ def main() -> None:
         timeout=timedelta(seconds=args.timeout),
         quorum_timeout=timedelta(seconds=args.quorum_timeout),
     )
-    resume = worker.resume_path() if worker is not None else None
+    resume = (worker.resume_path() if worker is not None else None) or args.resume
+    resumed_at = None
     if resume:
         saved = torch.load(resume, weights_only=True)
         load_state_dict(saved["user"])
         manager.load_state_dict(saved["torchft"])
+        resumed_at = manager.current_step()
         print(
             f"group {group} rank {rank}: resumed from {resume} at step {manager.current_step()}", flush=True
         )
     model = DistributedDataParallel(manager, module)
     optimizer = Optimizer(manager, inner)
     committed: list[tuple[int, float]] = []
+
+    def checkpoint() -> None:
+        path = Path(worker.checkpoint_dir()) / f"torchft-g{group}-step{manager.current_step()}.pt"
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({"user": state_dict(), "torchft": manager.state_dict()}, tmp)
+        os.replace(tmp, path)
+        worker.publish_checkpoint(path, manager.current_step())
+
+    stopped = False
     while manager.current_step() < args.steps:
         step = manager.current_step()
         maybe_crash(args, group, rank, step)
@@ -137,14 +159,18 @@ def main() -> None:
             # The step just committed: after a heal it is the peer's step, not the one this rank began.
             done = manager.current_step() - 1
             committed.append((done, time.time()))
-            if worker is not None:
+            if worker is not None and not args.no_heartbeat:
                 worker.heartbeat(done)
-            if rank == 0 and worker is not None and manager.current_step() % args.checkpoint_every == 0:
-                path = Path(worker.checkpoint_dir()) / f"torchft-g{group}-step{manager.current_step()}.pt"
-                tmp = path.with_name(f".{path.name}.tmp")
-                torch.save({"user": state_dict(), "torchft": manager.state_dict()}, tmp)
-                os.replace(tmp, path)
-                worker.publish_checkpoint(path, manager.current_step())
+            stopped = worker is not None and worker.should_stop()
+            if (
+                rank == 0
+                and worker is not None
+                and (stopped or manager.current_step() % args.checkpoint_every == 0)
+            ):
+                checkpoint()
+            if stopped:
+                print(f"group {group} rank {rank}: stopping after step {done}", flush=True)
+                break
         if args.step_time:
             time.sleep(args.step_time)
     params = torch.cat([p.detach().flatten() for p in module.parameters()])
@@ -154,7 +180,14 @@ def main() -> None:
             f"group {group}: final checksum {checksum:.10f} after {manager.current_step()} steps", flush=True
         )
         if args.out_dir:
-            out = {"group": group, "steps": committed, "params": params.tolist(), "checksum": checksum}
+            out = {
+                "group": group,
+                "steps": committed,
+                "params": params.tolist(),
+                "checksum": checksum,
+                "stopped": stopped,
+                "resumed_at": resumed_at,
+            }
             path = args.out_dir / f"group{group}.json"
             path.with_suffix(".tmp").write_text(json.dumps(out))
             os.replace(path.with_suffix(".tmp"), path)

@@ -50,6 +50,7 @@ class HangWatch:
         self._tracker = ProgressTracker(stall_timeout)
         self._round = -1
         self._targets: tuple[tuple[int, int], ...] = ()
+        self._main_thread_io = False
         self._reported = False
         self._pending: messages.StallReport | None = None
         self._stop = threading.Event()
@@ -64,10 +65,12 @@ class HangWatch:
     def close(self) -> None:
         self._stop.set()
 
-    def watch(self, round_: int, workers: Sequence[tuple[int, int]]) -> None:
-        """Sample ``(rank, pid)`` of round ``round_`` from now on (a new round starts over)."""
+    def watch(self, round_: int, workers: Sequence[tuple[int, int]], *, main_thread_io: bool = False) -> None:
+        """Sample ``(rank, pid)`` of round ``round_`` from now on (a new round starts over); with
+        ``main_thread_io`` (torchft replica groups) a worker's I/O counts from its main thread alone."""
         with self._lock:
             self._round, self._targets = round_, tuple(workers)
+            self._main_thread_io = main_thread_io
             self._tracker.reset()
             self._reported, self._pending = False, None
 
@@ -97,9 +100,12 @@ class HangWatch:
     def _sample(self, pool: ThreadPoolExecutor) -> None:
         """Sample every worker at once, then let the tracker decide (all under the lock)."""
         with self._lock:
-            round_, targets = self._round, self._targets
+            round_, targets, main_io = self._round, self._targets, self._main_thread_io
         start = time.monotonic()  # what the samples show holds at least since then
-        taken = pool.map(lambda pid: sample(pid, timeout=self.interval), [pid for _, pid in targets])
+        taken = pool.map(
+            lambda pid: sample(pid, timeout=self.interval, main_thread_io=main_io),
+            [pid for _, pid in targets],
+        )
         samples = list(zip([rank for rank, _ in targets], taken, strict=True))
         with self._lock:
             if round_ != self._round or targets != self._targets:

@@ -437,15 +437,18 @@ class JobState:
         hang = self.hang
         if hang is None or report.round != hang.round or hang.round != self.round:
             return []
+        self._add_stacks(hang, node_rank, report)
+        if hang.replied >= self._alive_round_nodes():
+            return self._declare_hang()
+        return []
+
+    def _add_stacks(self, hang: _Hang, node_rank: int, report: messages.StacksReport) -> None:
         host = self.members[node_rank].host if node_rank in self.members else ""
         for rank_s, doc in report.stacks.items():
             rank = int(rank_s)
             hang.stacks[rank] = stack_from_json(doc)
             hang.info[rank] = {"node_rank": node_rank, "node": host, "local_rank": doc.get("local_rank")}
         hang.replied.add(node_rank)
-        if hang.replied >= self._alive_round_nodes():
-            return self._declare_hang()
-        return []
 
     def _declare_hang(self) -> list[Action]:
         """Localize across all ranks, save the stacks, fail the root rank(s): the round restarts."""
@@ -455,8 +458,8 @@ class JobState:
         self.hang = _Hang(hang.round, float("inf"), hang.idle_s)  # declared once per round
         loc = localize(hang.stacks)
         now = self._now()
-        base = {"round": self.round, "exitcode": None, "signal": None, "ts": now, "hang": loc.to_json()}
-        stacks_file = f"stacks/attempt-{self.attempt}/round-{self.round}.json"
+        base = {"round": hang.round, "exitcode": None, "signal": None, "ts": now, "hang": loc.to_json()}
+        stacks_file = f"stacks/attempt-{self.attempt}/round-{hang.round}.json"
         failures: list[dict[str, Any]] = []
         for rank in loc.root_ranks:
             info = hang.info.get(rank, {})
@@ -482,10 +485,14 @@ class JobState:
                     "error": f"stalled: no progress for {hang.idle_s:g} s, not localized: {loc.detail}",
                 }
             )
-        actions: list[Action] = [SaveStacks(self.attempt, self.round, hang.stacks, loc, hang.info)]
+        actions: list[Action] = [SaveStacks(self.attempt, hang.round, hang.stacks, loc, hang.info)]
         self.failures.extend(failures)
         actions += [Record(events.worker_failed(f, exit_ts=now)) for f in failures]
-        return actions + self._begin_stop(RestartCause.WORKER_FAILED)
+        return actions + self._stop_after_hang()
+
+    def _stop_after_hang(self) -> list[Action]:
+        """A hang was declared: the round stops (replica groups stop only the hung group)."""
+        return self._begin_stop(RestartCause.WORKER_FAILED)
 
     # ---- internals --------------------------------------------------------------------------
     def _record(self, node_rank: int, failures: Sequence[Failure]) -> list[Action]:

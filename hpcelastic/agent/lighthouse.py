@@ -128,6 +128,7 @@ def replica_state_factory(
             replica_groups=spec.replica_groups,
             min_replica_groups=spec.min_replica_groups,
             lighthouse=lighthouse.url,
+            stall_timeout=spec.stall_timeout or 0.0,
             **kw,
         )
 

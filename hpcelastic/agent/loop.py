@@ -134,7 +134,8 @@ class NodeLoop:
         self.state = State.RUNNING
         spawned = group.start(msg)
         if self.hangs is not None:
-            self.hangs.watch(msg.round, [(w.rank, w.proc.pid) for w in group.workers])
+            workers = [(w.rank, w.proc.pid) for w in group.workers]
+            self.hangs.watch(msg.round, workers, main_thread_io=msg.num_replica_groups > 0)
         client.send(messages.Started(msg.round, spawned, group.spawn, group.spawn_reason))
 
     def _on_stop(self, msg: messages.Stop) -> None:
@@ -227,6 +228,8 @@ class NodeLoop:
     def _check_stalls(self, stall_timeout: float) -> None:
         if self.state != State.RUNNING or self.round is None:
             return
+        if self.round.num_replica_groups and self.hangs is not None and self.hangs.available:
+            return  # a group waits in torchft's quorum while a peer restarts: the coordinator judges groups
         group = self.rt.group
         stalled = group.stalled(stall_timeout)
         if not stalled:

@@ -15,6 +15,16 @@ replica of torchft's quorum. :class:`ReplicaJobState` extends :class:`~hpcelasti
   (``replica_group_dropped``) while at least ``--min-replica-groups`` groups remain; below that the
   job-wide path applies (every group stops, the job-wide budget of ``--max-restarts`` restarts, then
   the requeue), as without replica groups.
+
+Hangs (``--stall-timeout``) are judged per group: a group is hung when every node of its current round
+reports that its ranks made no progress (py-spy samples or heartbeats, ``agent/hangwatch.py``). A group
+waits in torchft's quorum while a peer restarts or heals, so no group is declared hung while another group
+is stopping or has not stepped since its restart, nor within the stall timeout after such a change. The
+hung groups' stacks are taken and localized per group (ranks are numbered within a group); the groups
+with a root rank are failed and restart alone, with a ``root_cause`` and the stacks file of their round.
+A hung group with no root rank (all its ranks wait in torchft or a collective: for another group) is
+restarted only when every live group is hung and none has a root rank; otherwise it is looked at again
+after another stall timeout.
 """
 
 from __future__ import annotations
@@ -26,8 +36,20 @@ from typing import Any
 
 from hpcelastic import events
 from hpcelastic.agent import messages
-from hpcelastic.agent.job_state import _STOPPING, Action, JobState, LostNode, Phase, Record, Say, Send
+from hpcelastic.agent.job_state import (
+    _STOPPING,
+    STACKS_TIMEOUT,
+    Action,
+    JobState,
+    LostNode,
+    Phase,
+    Record,
+    Say,
+    Send,
+    _Hang,
+)
 from hpcelastic.agent.messages import Failure
+from hpcelastic.hangs.localize import localize
 from hpcelastic.reasons import Named, Reason, RestartCause
 
 
@@ -78,14 +100,28 @@ class Group:
 class ReplicaJobState(JobState):
     """:class:`JobState` with per-group restarts (see the module docstring)."""
 
-    def __init__(self, *, replica_groups: int, min_replica_groups: int, lighthouse: str, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        replica_groups: int,
+        min_replica_groups: int,
+        lighthouse: str,
+        stall_timeout: float = 0.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
         self.replica_groups = replica_groups
         self.min_replica_groups = min_replica_groups
         self.lighthouse = lighthouse
+        self.stall_timeout = stall_timeout
         self.groups: list[Group] = []
         #: node rank -> the round its agent runs now (rounds are numbered job-wide, one per group round).
         self.node_round: dict[int, int] = {}
+        #: group index -> its hang being localized (stacks asked for); when a group last stopped or healed.
+        self.group_hangs: dict[int, _Hang] = {}
+        self.groups_changed_at = -float("inf")
+        #: group index -> when a hang without a root rank in it may be looked at again.
+        self.hang_recheck_at: dict[int, float] = {}
 
     # ---- queries --------------------------------------------------------------------------------
     def group_of(self, node_rank: int) -> Group | None:
@@ -169,6 +205,7 @@ class ReplicaJobState(JobState):
     def _stop_group(self, g: Group, cause: RestartCause) -> list[Action]:
         g.phase, g.cause = GroupPhase.STOPPING, cause
         g.deadline = self._now() + self.stop_timeout
+        self.groups_changed_at = self._now()
         g.healing = (g.last_step, self._now())
         return [Send(n, messages.Stop(g.round, cause)) for n in self._alive(g) if n not in g.stopped]
 
@@ -315,6 +352,7 @@ class ReplicaJobState(JobState):
     def _healed(self, g: Group, step: int, ts: float) -> list[Action]:
         before, failed_at = g.healing or (None, ts)
         g.healing = None
+        self.groups_changed_at = self._now()
         peers = [
             x.index
             for x in self.groups
@@ -356,8 +394,107 @@ class ReplicaJobState(JobState):
         if self.phase is not Phase.RUNNING:
             return actions
         now = self._now()
+        if self.group_hangs and now >= min(h.deadline for h in self.group_hangs.values()):
+            actions += self._declare_group_hangs()
+        actions += self._check_group_hangs()
         for g in self.groups:
             if g.phase is GroupPhase.STOPPING and now >= g.deadline:
                 for n in [n for n in self._alive(g) if n not in g.stopped]:
                     actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
         return actions
+
+    # ---- hangs, per group (see the module docstring) --------------------------------------------
+    def stall_report(self, node_rank: int, report: messages.StallReport) -> list[Action]:
+        if self.group_of(node_rank) is None or not self._current(node_rank, report.round):
+            return []
+        self.stall_reports[node_rank] = (report.round, report)
+        return self._check_group_hangs()
+
+    def _group_stalled(self, g: Group, now: float) -> bool:
+        """Every node of ``g``'s round stalled, and no other group restarted or healed meanwhile."""
+        alive = self._alive(g)
+        if g.phase is not GroupPhase.RUNNING or not alive or g.index in self.group_hangs:
+            return False
+        if now < self.hang_recheck_at.get(g.index, -float("inf")):
+            return False
+        for n in alive:
+            report = self.stall_reports.get(n)
+            if report is None or report[0] != g.round or not report[1].stalled:
+                return False
+        busy = any(
+            x is not g and (x.phase is GroupPhase.STOPPING or (x.phase is GroupPhase.RUNNING and x.healing))
+            for x in self.groups
+        )
+        return not busy and now - self.groups_changed_at >= self.stall_timeout
+
+    def _check_group_hangs(self) -> list[Action]:
+        """Ask the stacks of every hung group (one localization at a time)."""
+        now = self._now()
+        if self.phase is not Phase.RUNNING or self.group_hangs:
+            return []
+        hung = [g for g in self.live_groups() if self._group_stalled(g, now)]
+        actions: list[Action] = []
+        for g in hung:
+            idle = min(self.stall_reports[n][1].idle_s for n in self._alive(g))
+            self.group_hangs[g.index] = _Hang(g.round, now + STACKS_TIMEOUT, idle)
+            actions.append(
+                Say(
+                    f"replica group {g.index}: no rank made progress for {idle:g} s: hang; "
+                    "taking its workers' stacks"
+                )
+            )
+            actions += [Send(n, messages.DumpStacks(g.round)) for n in self._alive(g)]
+        return actions
+
+    def stacks_report(self, node_rank: int, report: messages.StacksReport) -> list[Action]:
+        g = self.group_of(node_rank)
+        hang = self.group_hangs.get(g.index) if g is not None else None
+        if g is None or hang is None or report.round != hang.round or g.round != hang.round:
+            return []
+        self._add_stacks(hang, node_rank, report)
+        replied = all(h.replied >= set(self._alive(self.groups[i])) for i, h in self.group_hangs.items())
+        return self._declare_group_hangs() if replied else []
+
+    def _declare_group_hangs(self) -> list[Action]:
+        """Localize each hung group; fail and restart those with a root rank (see the module docstring)."""
+        hangs, self.group_hangs = self.group_hangs, {}
+        current = {
+            g.index: (g, h)
+            for g in self.groups
+            if (h := hangs.get(g.index)) is not None and g.phase is GroupPhase.RUNNING and g.round == h.round
+        }
+        if self.phase is not Phase.RUNNING or not current:
+            return []
+        rooted = [i for i, (_g, h) in current.items() if localize(h.stacks).determined]
+        whole_job = len(current) == len(self.live_groups())
+        actions: list[Action] = []
+        for i, (g, h) in current.items():
+            if i in rooted or (not rooted and whole_job):
+                actions += self._fail_hung_group(g, h)
+                continue
+            self.hang_recheck_at[i] = self._now() + self.stall_timeout
+            actions.append(
+                Say(f"replica group {i}: its ranks wait for other groups, none hangs; not restarted")
+            )
+        return actions
+
+    def _fail_hung_group(self, g: Group, hang: _Hang) -> list[Action]:
+        """The base class's hang verdict for this group's round, its root cause, then the group restart."""
+        first = len(self.failures)
+        with self._in_group(g):
+            self.hang = hang
+            actions = super()._declare_hang()
+        self.hang = None
+        cause = self.failures[first] if len(self.failures) > first else None
+        if cause is not None:
+            traceback = cause.get("traceback") or ""
+            where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else "?"
+            text = f"root cause (replica group {g.index}, round {g.round}): {where}: {cause['error']}"
+            actions += [
+                Record(events.root_cause(cause, traceback=traceback, exit_ts=cause.get("ts"))),
+                Say(text + ("\n" + traceback.rstrip() if traceback else "")),
+            ]
+        return actions + self._stop_group(g, RestartCause.WORKER_FAILED)
+
+    def _stop_after_hang(self) -> list[Action]:
+        return []  # only the hung group stops (_fail_hung_group)

@@ -150,8 +150,6 @@ def run(
         problem = check_groups(hi, replica_groups or 1, min_replica_groups or 1)
         if problem:
             raise UserError(problem)
-        if stall_timeout:
-            raise UserError("--stall-timeout does not work with --replica-groups yet; leave one out")
     spec = LocalRun(
         min_nodes=lo,
         max_nodes=hi,

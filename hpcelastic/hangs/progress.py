@@ -111,12 +111,15 @@ class ProgressTracker:
         self._ranks.clear()
 
 
-def sample(pid: int, *, timeout: float = 5.0) -> Sample:
-    """One :class:`Sample` of a worker: a non-blocking, Python-only py-spy dump and ``/proc`` counters."""
+def sample(pid: int, *, timeout: float = 5.0, main_thread_io: bool = False) -> Sample:
+    """One :class:`Sample` of a worker: a non-blocking, Python-only py-spy dump and ``/proc`` counters.
+
+    ``main_thread_io``: count the main thread's I/O alone (torchft's threads talk to the lighthouse all
+    the time, which is no progress)."""
     from hpcelastic.hangs import pyspy
     from hpcelastic.hangs.stacks import progress_key
 
-    c = pyspy.counters(pid)
+    c = pyspy.counters(pid, main_thread_io=main_thread_io)
     stack = pyspy.dump(pid, nonblocking=True, timeout=timeout)
     key = None if stack.error and not stack.threads else progress_key(stack)
     return Sample(

@@ -77,10 +77,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
 
 
-def io_bytes(pid: int) -> int:
-    """``rchar + wchar`` of ``/proc/PID/io``: bytes through read/write of any kind (files, pipes, sockets)."""
+def io_bytes(pid: int, tid: int | None = None) -> int:
+    """``rchar + wchar`` of ``/proc/PID/io`` (of thread ``tid`` alone when given): bytes through read/write
+    of any kind (files, pipes, sockets)."""
     try:
-        lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+        lines = Path(f"/proc/{pid}/task/{tid}/io" if tid else f"/proc/{pid}/io").read_text().splitlines()
     except OSError:
         return 0
     values = dict(line.split(": ", 1) for line in lines if ": " in line)
@@ -193,13 +194,14 @@ class Counters:
     children_io_bytes: int
 
 
-def counters(pid: int) -> Counters:
-    """Read :class:`Counters` for ``pid`` (a few small ``/proc`` reads; no ptrace pause)."""
+def counters(pid: int, *, main_thread_io: bool = False) -> Counters:
+    """Read :class:`Counters` for ``pid`` (a few small ``/proc`` reads; no ptrace pause); with
+    ``main_thread_io`` its own I/O is its main thread's alone."""
     kids = descendants(pid)
     return Counters(
         state=proc_state(pid),
         own_cpu_s=cpu_seconds(pid),
-        own_io_bytes=io_bytes(pid),
+        own_io_bytes=io_bytes(pid, pid if main_thread_io else None),
         children_cpu_s=sum(cpu_seconds(k) for k in kids),
         children_io_bytes=sum(io_bytes(k) for k in kids),
     )

@@ -43,10 +43,10 @@ class Frame:
 
     @property
     def in_collective(self) -> bool:
-        """Inside ``torch.distributed`` (Python) or c10d/gloo/NCCL (native)."""
+        """Inside ``torch.distributed`` or torchft (quorum, cross-group collectives), or c10d/gloo/NCCL."""
         if self.native:
             return bool(_COLLECTIVE_NATIVE.search(self.function))
-        return "/torch/distributed/" in self.filename
+        return "/torch/distributed/" in self.filename or "/torchft/" in self.filename
 
 
 @dataclass(frozen=True)

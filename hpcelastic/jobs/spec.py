@@ -20,6 +20,7 @@ from hpcelastic.jobs.options import DEFAULT_NODES
 from hpcelastic.parse import (
     AUTO,
     check_module_name,
+    check_no_task_array,
     is_env_name,
     no_nul,
     parse_nodes,
@@ -184,8 +185,6 @@ def build_spec(
         problem = check_groups(nodes_max, groups, min_groups)
         if problem:
             raise UserError(f"{problem}; pick --nodes as a multiple of --replica-groups")
-        if v("stall_timeout"):
-            raise UserError("--stall-timeout does not work with --replica-groups yet; leave one out")
     grace = v("requeue.grace_period")
     if grace is not None and lead is not None and lead <= grace:
         raise UserError(
@@ -223,6 +222,8 @@ def build_spec(
         no_nul(a, "--sbatch-arg")
         if not a.startswith("-"):
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
+    check_no_task_array(directives, f"site {config.site!r}: sbatch_directives entry")
+    check_no_task_array(sbatch_args, "--sbatch-arg")
     return JobSpec(
         script=script_path,
         script_args=tuple(script_args),

@@ -161,6 +161,13 @@ CASES: list[Case] = [
         id="submit-exclude-bad",
     ),
     sub("--sbatch-arg", "foo", "train.py", expect="'foo' is not an sbatch option", id="submit-sbatch-arg"),
+    sub(
+        "--sbatch-arg=--array=0-1",
+        "train.py",
+        expect="job arrays of several tasks are not supported",
+        id="submit-sbatch-arg-array",
+    ),
+    sub("--sbatch-arg=-a1,3", "train.py", expect="'-a1,3': job arrays", id="submit-sbatch-arg-array-short"),
     # ---- submit: site and user configuration ----
     sub("--site", "nope", "train.py", expect="unknown site 'nope'", id="submit-site-unknown"),
     sub("--site", "日本", "train.py", expect="unknown site '日本'", id="submit-site-unicode"),

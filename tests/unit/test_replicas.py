@@ -174,9 +174,83 @@ def test_submit_refuses_replica_groups_that_do_not_fit(tmp_path: Path) -> None:
             "2",
         ): "3 node(s) do not split into 2 replica groups of equal size",
         ("--nodes", "2:4", "--replica-groups", "2"): "--replica-groups needs a fixed node count",
-        ("--nodes", "4", "--replica-groups", "2", "--stall-timeout", "30"): "--stall-timeout does not work",
     }
     for flags, error in cases.items():
         proc = subprocess.run([*base, *flags, str(script)], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2 and error in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "run").exists()
+    # Hangs are judged per group: --stall-timeout goes with --replica-groups to every agent.
+    flags = ["--nodes", "4", "--replica-groups", "2", "--stall-timeout", "30"]
+    proc = subprocess.run([*base, *flags, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "--stall-timeout 30" in proc.stdout and "--replica-groups 2" in proc.stdout
+
+
+def _stall(st: ReplicaJobState, node: int, round_: int, yes: bool = True) -> list[Action]:
+    return st.stall_report(node, messages.StallReport(round_, yes, (node % 2,), 12.0))
+
+
+def _stacks(node: int, round_: int, hung: bool) -> messages.StacksReport:
+    from tests.unit.test_hang_state import SLEEPING, stack
+
+    quorum = [{"function": "wait_quorum", "filename": "/v/site-packages/torchft/manager.py", "line": 1}]
+    frames = SLEEPING if hung else quorum + SLEEPING[1:]
+    return messages.StacksReport(round_, {str(node % 2): stack(100 + node, frames, 0)})
+
+
+def test_hang_in_one_group_restarts_only_that_group_with_the_rank_named() -> None:
+    st = make()
+    st.stall_timeout = 10.0
+    r = start(st)
+    assert _stall(st, 2, r[2].round) == []
+    asked = _stall(st, 3, r[3].round)
+    assert {a.node_rank for a in asked if isinstance(a, Send)} == {2, 3}  # group 0 is not asked
+    out = st.stacks_report(2, _stacks(2, r[2].round, hung=False))
+    out += st.stacks_report(3, _stacks(3, r[3].round, hung=True))
+    [cause] = named(out, "root_cause")
+    assert (cause["rank"], cause["node"], cause["round"]) == (1, "n3", r[3].round)
+    assert cause["error"].startswith("stalled: hung at /job/train.py:77")
+    assert {a.node_rank for a in out if isinstance(a, Send)} == {2, 3}
+    out = st.workers_stopped(2, r[2].round, []) + st.workers_stopped(3, r[3].round, [])
+    assert named(out, "replica_group_restarting")[0]["group"] == 1 and set(rounds(out)) == {2, 3}
+    assert st.phase is Phase.RUNNING and st.restart_count == 0
+
+
+def test_no_hang_for_a_group_waiting_for_its_quorum_while_another_restarts() -> None:
+    st = make()
+    st.stall_timeout = 10.0
+    clock = st._now
+    r = start(st)
+    st.progress(0, r[0].round, 5, 1000.0, 1)
+    st.worker_failed(3, r[3].round, [{"rank": 1, "error": "killed", "ts": 1000.0}])
+    again = rounds(st.workers_stopped(2, r[2].round, []) + st.workers_stopped(3, r[3].round, []))
+    # Group 0 waits in torchft's quorum for the restarted group: stalled on both nodes, not a hang.
+    assert _stall(st, 0, r[0].round) + _stall(st, 1, r[1].round) == []
+    clock.t += 30  # type: ignore[attr-defined]
+    assert not [a for a in st.tick() if isinstance(a, Send)]
+    st.progress(2, again[2].round, 6, clock(), 1)  # group 1 healed
+    clock.t += 5  # type: ignore[attr-defined]
+    assert not [a for a in st.tick() if isinstance(a, Send)]  # within the stall timeout of the heal
+    clock.t += 6  # type: ignore[attr-defined]
+    asked = st.tick()  # still stalled a stall timeout after the heal: now it is a hang
+    assert {a.node_rank for a in asked if isinstance(a, Send)} == {0, 1}
+
+
+def test_group_waiting_for_a_hung_peer_is_not_restarted_the_hung_group_is() -> None:
+    st = make()
+    st.stall_timeout = 10.0
+    r = start(st)
+    # Group 0 reports first: both its ranks wait in torchft for group 1. No root rank in it: kept.
+    asked = _stall(st, 0, r[0].round) + _stall(st, 1, r[1].round)
+    assert {a.node_rank for a in asked if isinstance(a, Send)} == {0, 1}
+    out = st.stacks_report(0, _stacks(0, r[0].round, hung=False))
+    out += st.stacks_report(1, _stacks(1, r[1].round, hung=False))
+    assert not [a for a in out if isinstance(a, Send)] and not named(out, "root_cause")
+    assert not [a for a in st.tick() if isinstance(a, Send)]  # not asked again at once
+    # Group 1 holds the hung rank: it alone restarts.
+    asked = _stall(st, 2, r[2].round) + _stall(st, 3, r[3].round)
+    assert {a.node_rank for a in asked if isinstance(a, Send)} == {2, 3}
+    out = st.stacks_report(2, _stacks(2, r[2].round, hung=True))
+    out += st.stacks_report(3, _stacks(3, r[3].round, hung=False))
+    assert named(out, "root_cause")[0]["node_rank"] == 2
+    assert {a.node_rank for a in out if isinstance(a, Send)} == {2, 3}

@@ -383,3 +383,33 @@ def test_progress_tracker_rules() -> None:
     # Ranks never sampled with a stack (py-spy failed) are not declared stalled on counters alone.
     t.observe(5, Sample(key=None), 0.0)
     assert 5 not in t.stalled(100.0)
+
+
+def test_main_thread_io_leaves_out_a_background_thread_that_talks() -> None:
+    """torchft's threads talk to the lighthouse all the time: with ``main_thread_io`` that is no progress."""
+    code = textwrap.dedent(
+        """
+        import os, threading, time
+        def chatter():
+            r, w = os.pipe()
+            while True:
+                os.write(w, b"x" * 100)
+                os.read(r, 100)
+                time.sleep(0.01)
+        threading.Thread(target=chatter, daemon=True).start()
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        before = (pyspy.io_bytes(p.pid), pyspy.io_bytes(p.pid, p.pid))
+        time.sleep(0.5)
+        after = (pyspy.io_bytes(p.pid), pyspy.io_bytes(p.pid, p.pid))
+        assert after[0] > before[0] and after[1] == before[1], (before, after)
+        assert pyspy.counters(p.pid, main_thread_io=True).own_io_bytes == pyspy.io_bytes(p.pid, p.pid)
+    finally:
+        p.kill()
+        p.wait()
