@@ -163,6 +163,10 @@ class ReplicaJobState(JobState):
         return actions
 
     def _start_group(self, g: Group) -> list[Action]:
+        # The group's past round is over: its failures and lost nodes are no later job-wide root cause.
+        lost_here = {lost.node_rank for lost in self.lost_in_round if lost.round == g.round}
+        self.lost_in_round = [lost for lost in self.lost_in_round if lost.round != g.round]
+        self.failures = [f for f in self.failures if f.get("node_rank") not in {*g.nodes, *lost_here}]
         self.round += 1
         g.round, g.phase = self.round, GroupPhase.RUNNING
         g.started, g.stopped, g.done = {}, set(), set()

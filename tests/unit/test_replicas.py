@@ -254,3 +254,20 @@ def test_group_waiting_for_a_hung_peer_is_not_restarted_the_hung_group_is() -> N
     out += st.stacks_report(3, _stacks(3, r[3].round, hung=False))
     assert named(out, "root_cause")[0]["node_rank"] == 2
     assert {a.node_rank for a in out if isinstance(a, Send)} == {2, 3}
+
+
+def test_a_healed_groups_old_failure_is_not_the_root_cause_of_a_later_job_wide_stop() -> None:
+    st = make(min_groups=2, max_restarts=1, spares=1)
+    r = start(st)
+    again = rounds(st.lost(2, "node down") + st.workers_stopped(3, r[3].round, []))
+    assert set(again) == {3, 4}
+    st.progress(0, r[0].round, 20, 1010.0, 1)
+    assert named(st.progress(3, again[3].round, 21, 1012.0, 1), "replica_group_healed")
+    st.worker_failed(0, r[0].round, [{"rank": 0, "error": "first", "ts": 1020.0}])
+    g0 = rounds(st.workers_stopped(0, r[0].round, []) + st.workers_stopped(1, r[1].round, []))
+    assert set(g0) == {0, 1}
+    st.worker_failed(1, g0[1].round, [{"rank": 1, "error": "second", "ts": 1030.0}])
+    out = st.workers_stopped(0, g0[0].round, []) + st.workers_stopped(1, g0[1].round, [])
+    out += st.workers_stopped(3, again[3].round, []) + st.workers_stopped(4, again[4].round, [])
+    causes = named(out, "root_cause")
+    assert causes and all(c["error"] == "second" for c in causes), causes
