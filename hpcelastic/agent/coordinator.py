@@ -334,7 +334,7 @@ class Coordinator:
     def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
         rank = _rank(conn)
         self._drop(conn, None)
-        self._apply(self.state.lost(rank, msg.reason, unhealthy=msg.unhealthy))
+        self._apply(self.state.lost(rank, msg.reason, unhealthy=msg.unhealthy, signalled=msg.signalled))
 
     # ---- output -----------------------------------------------------------------------------
     def _apply(self, actions: list[Action]) -> None:

@@ -104,13 +104,14 @@ class Member:
 
 @dataclass(frozen=True)
 class LostNode:
-    """A node of the current round whose agent went away."""
+    """A node of the current round whose agent went away (``signalled``: a signal told it to stop)."""
 
     node_rank: int
     node: str
     reason: str
     ts: float
     round: int
+    signalled: bool = False
 
 
 class JobState:
@@ -194,23 +195,20 @@ class JobState:
         """The nodes (``rank (host)``) that have not joined."""
         return [f"{i} ({h})" for i, h in enumerate(self.hosts) if i not in self.members]
 
-    def lost(self, node_rank: int, reason: str, *, unhealthy: bool = False) -> list[Action]:
-        """An agent's connection closed or went silent, or it left because its node is bad."""
+    def lost(
+        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled: bool = False
+    ) -> list[Action]:
+        """An agent's connection closed or went silent, or it left (bad node, or stopped by a signal)."""
         member = self.members.pop(node_rank, None)
         if member is None or self.phase is Phase.FINISHED:
             return []
-        if unhealthy:
-            self.bad_nodes.append(member.host)
-        self.lost_hosts.append(member.host)
-        self.departed.add(node_rank)
-        actions: list[Action] = [
-            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
-        ]
+        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled=signalled)
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
             return actions
-        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), self.round))
+        lost = LostNode(node_rank, member.host, reason, self._now(), self.round, signalled)
+        self.lost_in_round.append(lost)
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.NODE_LOST)
         return actions + self._check_stopped()
@@ -507,6 +505,18 @@ class JobState:
             actions.append(Record(events.worker_failed(f, exit_ts=f.get("ts"))))
         return actions
 
+    def _departed(
+        self, node_rank: int, member: Member, reason: str, *, unhealthy: bool, signalled: bool
+    ) -> list[Action]:
+        """Book an agent that left: an unhealthy node is bad; one that vanished is suspect for the next
+        attempt; one a signal stopped (Slurm ending the step) is neither."""
+        if unhealthy:
+            self.bad_nodes.append(member.host)
+        if not signalled:
+            self.lost_hosts.append(member.host)
+        self.departed.add(node_rank)
+        return [Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))]
+
     def _begin_stop(self, reason: RestartCause) -> list[Action]:
         self.phase = Phase.STOPPING
         self.deadline = self._now() + self.stop_timeout
@@ -556,7 +566,11 @@ class JobState:
         return actions + self._start_round()
 
     def _root_cause(self) -> list[Action]:
-        """The round's first failure, job-wide: a lost node before any worker failure."""
+        """The round's first failure, job-wide: a lost node before any worker failure. None when a signal
+        stopped every node of the round: whoever sent it (Slurm: cancel, preemption, time limit) ends the
+        attempt, and ``finalize`` asks Slurm why."""
+        if self._all_signalled():
+            return []
         if self.lost_in_round:
             lost = self.lost_in_round[0]
             cause: dict[str, Any] = {"round": self.round, "node_rank": lost.node_rank, "node": lost.node}
@@ -572,6 +586,16 @@ class JobState:
         if traceback:
             text += "\n" + traceback.rstrip()
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
+
+    def _all_signalled(self) -> bool:
+        """Every node of the round left because a signal told its agent to stop, and no worker failed."""
+        lost = self.lost_in_round
+        return (
+            bool(lost)
+            and not self.failures
+            and all(n.signalled for n in lost)
+            and {n.node_rank for n in lost} >= set(self.round_nodes)
+        )
 
     def _finish(self, reason: Reason, message: str = "") -> list[Action]:
         last = self._last_progress()

@@ -184,15 +184,17 @@ class StepReport(Message):
 
 @dataclass(frozen=True)
 class Leave(Message):
-    """The agent leaves the job (terminated, or its node is unhealthy)."""
+    """The agent leaves the job: its node is unhealthy, or it was told to stop by a signal (``signalled``:
+    Slurm ending the step on a cancel, preemption or time limit sends every agent SIGTERM)."""
 
     TAG = "leave"
     reason: str
     unhealthy: bool = False
+    signalled: bool = False
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Leave:
-        return cls(str(d.get("reason", "left")), bool(d.get("unhealthy")))
+        return cls(str(d.get("reason", "left")), bool(d.get("unhealthy")), bool(d.get("signalled")))
 
 
 @dataclass(frozen=True)

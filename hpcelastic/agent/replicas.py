@@ -305,19 +305,15 @@ class ReplicaJobState(JobState):
                 actions.append(Send(n, messages.Stop(self.node_round[n], cause)))
         return actions + self._check_stopped()
 
-    def lost(self, node_rank: int, reason: str, *, unhealthy: bool = False) -> list[Action]:
+    def lost(
+        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled: bool = False
+    ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
-            return super().lost(node_rank, reason, unhealthy=unhealthy)
+            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled)
         member = self.members.pop(node_rank)
-        if unhealthy:
-            self.bad_nodes.append(member.host)
-        self.lost_hosts.append(member.host)
-        self.departed.add(node_rank)
-        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), g.round))
-        actions: list[Action] = [
-            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
-        ]
+        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled=signalled)
+        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), g.round, signalled))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)
         if g.phase is GroupPhase.RUNNING:

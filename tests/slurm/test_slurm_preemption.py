@@ -158,12 +158,15 @@ def test_preemption_requeued_by_slurm_is_not_requeued_again(
     (requeued,) = named(evs, "requeued")
     assert requeued["by"] == "slurm" and requeued["reason"] == "preempted", requeued
     assert not named(evs, "resubmitted") and not named(evs, "requeue_failed")
+    assert not named(evs, "root_cause")  # Slurm's TERM to every agent is a stop, not a node failure
+    story = status_json(str(run))
+    assert [i["kind"] for i in story["ledger"]["incidents"]] == ["preemption"], story["ledger"]["incidents"]
     before, after = published(evs, 0), published(evs, 1)
     assert before and after and after[0] == before[-1] + CKPT_EVERY  # resumed from the last checkpoint
     resumed = [e for e in named(evs, "progress") if e["attempt"] == 1]
     assert resumed and int(resumed[0]["step"]) >= before[-1] > 0
     assert named(evs, "attempt_ended")[-1]["reason"] == "succeeded"
-    assert status_json(str(run))["outcome"] == "succeeded"
+    assert story["outcome"] == "succeeded"
     assert (tmp_path / "out" / "final.json").is_file()
 
 

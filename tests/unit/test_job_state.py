@@ -133,6 +133,35 @@ def test_node_loss_continues_on_survivors_with_ranks_repacked() -> None:
     assert events(acts, "root_cause")[0]["error"].startswith("node lost")
 
 
+def test_a_signal_to_every_agent_is_no_failure_and_no_node_is_suspect() -> None:
+    """Slurm ending the step (scancel, preemption, time limit) sends every agent SIGTERM: no root cause
+    (finalize asks Slurm why), and no node is excluded from the next attempt for it."""
+    st = make(3)
+    join_all(st)
+    acts: list[Action] = []
+    for n in (1, 2, 0):
+        acts += st.lost(n, "agent received SIGTERM", signalled=True)
+    assert len(events(acts, "node_lost")) == 3 and not events(acts, "root_cause")
+    assert st.result is not None and st.result.bad_nodes == ()
+
+
+def test_a_signal_to_one_agent_is_that_nodes_loss_but_not_suspect() -> None:
+    st = make(3, min_nodes=2)
+    join_all(st)
+    st.lost(1, "agent received SIGTERM", signalled=True)
+    acts = stop_all(st, [0, 2], 0)
+    assert events(acts, "root_cause")[0]["error"] == "node lost: agent received SIGTERM"
+    assert sorted(sends(acts, "round")) == [0, 2]
+    st.lost(2, "connection closed")
+    acts = st.workers_stopped(0, 1, [])
+    assert sends(acts, "finish")[0].bad_nodes == ("n2",)
+
+
+def test_leave_carries_signalled_over_the_wire() -> None:
+    msg = messages.Leave("agent received SIGTERM", signalled=True)
+    assert messages.Leave.from_wire(msg.wire()) == msg
+
+
 def test_too_few_nodes_finishes_with_code_4() -> None:
     st = make(2, min_nodes=2)
     join_all(st)
