@@ -4,10 +4,8 @@ The example calls ``worker.heartbeat(step)`` right after each committed step; th
 function to also append ``{"group", "rank", "pid", "step", "ts"}`` to ``$REPLICA_BENCH_STEP_LOG`` (one
 ``O_APPEND`` write per line), then runs the example as ``__main__`` with the same arguments.
 
-Under plain torchrun (no ``HPCELASTIC_RUN_DIR``) ``worker.resume_path()`` is None: the agent is what
-hands the published checkpoint over. A torchrun user reads it from the documented non-Python
-contract, ``<checkpoint dir>/hpcelastic-latest.json`` (written by ``publish_checkpoint`` outside the
-agent too), into ``HPCELASTIC_RESUME_FROM`` before the script starts; this wrapper does just that.
+Under plain torchrun the worker API resumes by itself from what ``publish_checkpoint`` wrote
+(``HPCELASTIC_CHECKPOINT_DIR`` is set, and torchrun's restarts count up).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from hpcelastic import worker
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchft_train.py"
 STEP_LOG_VARIABLE = "REPLICA_BENCH_STEP_LOG"
-LATEST_FILE = "hpcelastic-latest.json"
 
 _heartbeat = worker.heartbeat
 _fd: list[int] = []
@@ -44,21 +41,7 @@ def logged_heartbeat(step: int) -> None:
     _heartbeat(step)
 
 
-def resume_outside_the_agent() -> None:
-    """Without the agent: resume from the checkpoint named by ``hpcelastic-latest.json``, if any."""
-    ckpt_dir = os.environ.get("HPCELASTIC_CHECKPOINT_DIR")
-    if worker.run_dir() is not None or not ckpt_dir:
-        return
-    try:
-        path = json.loads((Path(ckpt_dir) / LATEST_FILE).read_text())["path"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if Path(path).exists():
-        os.environ["HPCELASTIC_RESUME_FROM"] = path
-
-
 def main() -> None:
-    resume_outside_the_agent()
     worker.heartbeat = logged_heartbeat  # type: ignore[assignment]
     sys.argv = [str(EXAMPLE), *sys.argv[1:]]
     runpy.run_path(str(EXAMPLE), run_name="__main__")

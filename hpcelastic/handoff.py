@@ -93,6 +93,13 @@ def _read_latest_file(checkpoint_dir: str | None) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) and isinstance(obj.get("path"), str) else None
 
 
+def latest_published(checkpoint_dir: str) -> str | None:
+    """The checkpoint ``hpcelastic-latest.json`` in ``checkpoint_dir`` names, if it still exists: the worker
+    API's resume point without the agent (a torchrun restart)."""
+    latest = _read_latest_file(checkpoint_dir)
+    return latest["path"] if latest is not None and Path(latest["path"]).exists() else None
+
+
 def _recover(rd: RunDir, error: str) -> HandoffRecord:
     """Rebuild a record from the event log and ``hpcelastic-latest.json`` after corruption."""
     rec = HandoffRecord()

@@ -116,6 +116,13 @@ def checkpoint_dir() -> str:
     return value
 
 
+def _restarted_without_agent() -> bool:
+    """Outside the agent, resume what this job published: the user named the checkpoint directory, or
+    torchrun restarted the workers (``TORCHELASTIC_RESTART_COUNT`` > 0)."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return bool(os.environ.get(ENV_CHECKPOINT_DIR)) or (restarts.isdigit() and int(restarts) > 0)
+
+
 def _find_resume_path() -> str | None:
     value = os.environ.get(ENV_RESUME_FROM) or None
     if value is not None and Path(value).exists():
@@ -123,17 +130,20 @@ def _find_resume_path() -> str | None:
     base = run_dir()
     if value is not None:
         print(f"hpcelastic: warning: {ENV_RESUME_FROM}={value} does not exist", file=sys.stderr, flush=True)
-    if value is None or base is None:
-        return None
     from hpcelastic import handoff
 
-    return handoff.resume_path(base)
+    if base is None:
+        return handoff.latest_published(checkpoint_dir()) if _restarted_without_agent() else None
+    return handoff.resume_path(base) if value is not None else None
 
 
 def resume_path() -> str | None:
-    """The latest published checkpoint when this worker started, or None (also outside the agent).
+    """The latest published checkpoint when this worker started, or None.
 
-    The same for an in-allocation restart and a new attempt; fixed for the life of the process.
+    The same for an in-allocation restart and a new attempt; fixed for the life of the process. Without
+    the agent: ``$HPCELASTIC_RESUME_FROM``, else the checkpoint ``hpcelastic-latest.json`` in
+    :func:`checkpoint_dir` names when ``$HPCELASTIC_CHECKPOINT_DIR`` is set or torchrun restarted the
+    workers (a fresh run in a directory with old checkpoints starts from scratch).
     """
     if not _resume_cache:
         _resume_cache.append(_find_resume_path())

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,30 +40,3 @@ def test_a_job_wide_restart_counts_redone_steps_once_and_the_stall_as_lost() -> 
 def test_a_cut_run_is_measured_up_to_the_cut() -> None:
     e = efficiency(steps(0, 10, 0, 9, 0.0), groups=1, cut_at=19.0)
     assert e.possible == 20 and e.job == 0.5
-
-
-def test_torchrun_workers_resume_from_the_checkpoint_the_worker_api_published(tmp_path: Path) -> None:
-    """Outside the agent, publish_checkpoint writes hpcelastic-latest.json; the wrapper resumes from it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCELASTIC_")}
-    env["HPCELASTIC_CHECKPOINT_DIR"] = str(tmp_path / "ckpt")
-    env["PYTHONPATH"] = str(REPO)
-    publish = (
-        "from pathlib import Path; from hpcelastic import worker; "
-        "p = Path(worker.checkpoint_dir()) / 'step-10.pt'; p.write_text('x'); "
-        "worker.publish_checkpoint(p, 10)"
-    )
-    subprocess.run([sys.executable, "-c", publish], env=env, check=True, cwd=tmp_path)
-    resume = (
-        "from bench import _replica_train as t; from hpcelastic import worker; "
-        "t.resume_outside_the_agent(); print(worker.resume_path())"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", resume], env=env, check=True, cwd=tmp_path, text=True, capture_output=True
-    )
-    assert out.stdout.strip() == str(tmp_path / "ckpt" / "step-10.pt")
-    # Nothing published yet: a fresh start.
-    env["HPCELASTIC_CHECKPOINT_DIR"] = str(tmp_path / "empty")
-    out = subprocess.run(
-        [sys.executable, "-c", resume], env=env, check=True, cwd=tmp_path, text=True, capture_output=True
-    )
-    assert out.stdout.strip() == "None"

@@ -41,11 +41,10 @@ def worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[ModuleTy
     yield importlib.reload(mod)
 
 
-def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(code: str, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k not in _ENV}
-    return subprocess.run(
-        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60
-    )
+    argv = [sys.executable, "-c", code]
+    return subprocess.run(argv, env={**clean, **env}, cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
 def test_plain_python_without_agent(worker: ModuleType, tmp_path: Path) -> None:
@@ -60,6 +59,22 @@ def test_plain_python_without_agent(worker: ModuleType, tmp_path: Path) -> None:
     assert latest["path"] == str(p) and latest["step"] == 7
     with pytest.raises(UserError, match="does not exist"):
         worker.publish_checkpoint(tmp_path / "nope.pt", 8)
+
+
+def test_without_agent_a_torchrun_restart_resumes_what_was_published(tmp_path: Path) -> None:
+    """A named checkpoint dir, or a torchrun restart, resumes the published checkpoint; a fresh plain run
+    in a directory with old checkpoints does not."""
+    resume = "from hpcelastic import worker; print(worker.resume_path())"
+    named = tmp_path / "named"
+    here = tmp_path / "fresh"
+    for d in (named, here / "checkpoints"):
+        d.mkdir(parents=True)
+        (d / "c.pt").write_bytes(b"w")
+        handoff.write_latest_file(d, {"path": str(d / "c.pt"), "step": 4})
+    assert _run(resume, {"HPCELASTIC_CHECKPOINT_DIR": str(named)}).stdout.strip() == str(named / "c.pt")
+    for restarts, expected in (("0", "None"), ("1", str(here / "checkpoints" / "c.pt"))):
+        got = _run(resume, {"TORCHELASTIC_RESTART_COUNT": restarts}, cwd=here)
+        assert got.stdout.strip() == expected, got.stderr
 
 
 def test_under_agent_publish_and_resume(
