@@ -12,10 +12,13 @@ uses it: tests do that only on an instance of their own.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,3 +131,21 @@ def kill_node(name: str) -> list[int]:
 def revive_node(name: str) -> None:
     """Restart the node's slurmd and resume it in Slurm."""
     instance_of(name).revive_node(name)
+
+
+@contextlib.contextmanager
+def own_instance(name: str, settings: Mapping[str, str]) -> Iterator[Testbed]:
+    """An instance of one test module's own: brought up fresh (a leftover of an interrupted run may have
+    other settings), one user at a time (a lock file), its jobs cancelled and taken down at the end."""
+    lock_path = Path(f"/var/lock/hpcelastic-testbed-{name}.lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        inst = Testbed(name, dict(settings))
+        inst.down()
+        inst.up()
+        try:
+            yield inst
+        finally:
+            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
+            inst.down()

@@ -8,9 +8,7 @@ without a requeue.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,33 +18,22 @@ from pathlib import Path
 import pytest
 
 from hpcelastic import events
-from hpcelastic.jobs.slurm import parse_scontrol_record
+from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 from hpcelastic.rundir import RunDir
 from tests.replica_checks import check_group0_kept_stepping, train_args
-from tests.testbed import Testbed
+from tests.testbed import Testbed, own_instance
 
 pytest.importorskip("torchft")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 NAME = "ftreplica"
 NODES = tuple(f"{NAME}{i}" for i in range(1, 5))
-LOCK = Path(f"/var/lock/hpcelastic-testbed-{NAME}.lock")
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
 STEPS = 160
 
 
 @pytest.fixture(scope="module")
 def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        inst = Testbed(NAME, {"index": "5", "nodes": "4", "slurmd_timeout": "10"})
-        inst.down()
-        inst.up()
-        try:
-            yield inst
-        finally:
-            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
-            inst.down()
+    with own_instance(NAME, {"index": "5", "nodes": "4", "slurmd_timeout": "10"}) as inst:
+        yield inst
 
 
 def job(job_id: str) -> dict[str, str]:
@@ -82,7 +69,7 @@ def test_node_death_in_group_1_leaves_it_out_group_0_goes_on(
         wait_for("the first step", lambda: rd.events().of(events.PROGRESS), 240)
         time.sleep(8)  # some 30 steps into the run
         tb.kill_node(NODES[3])
-        rec = wait_for("the job's end", lambda: (r := job(job_id)).get("JobState") in ENDED and r, 300)
+        rec = wait_for("the job's end", lambda: (r := job(job_id)).get("JobState") in ENDED_STATES and r, 300)
     finally:
         tb.revive_node(NODES[3])
     assert isinstance(rec, dict) and rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec

@@ -10,7 +10,6 @@ job``: JobState, Restarts, NodeList) and the run's events. Training is real gloo
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ import pytest
 
 from hpcelastic import events as lifecycle_events
 from hpcelastic.jobs import slurm
+from hpcelastic.jobs.slurm import ENDED_STATES
 from hpcelastic.lifecycle.attempt_end import end_attempt
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
@@ -32,31 +32,20 @@ from tests.slurm_utils import TRAIN, events, named, train_args
 from tests.slurm_utils import job_record as job
 from tests.slurm_utils import wait_for_event as wait_event
 from tests.slurm_utils import wait_job_state as wait_state
-from tests.testbed import Testbed
+from tests.testbed import Testbed, own_instance
 
 pytestmark = pytest.mark.slurm
 
 NAME = "faults"
 SETTINGS = {"index": "7", "nodes": "3", "slurmd_timeout": "10"}
 NODES = ("faults1", "faults2", "faults3")
-LOCK = Path(f"/var/lock/hpcelastic-testbed-{NAME}.lock")
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
 
 
 @pytest.fixture(scope="module")
 def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
     """The module's own 3-node instance, brought up fresh and taken down at the end."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        inst = Testbed(NAME, dict(SETTINGS))
-        inst.down()
-        inst.up()
-        try:
-            yield inst
-        finally:
-            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
-            inst.down()
+    with own_instance(NAME, SETTINGS) as inst:
+        yield inst
 
 
 @pytest.fixture
@@ -239,7 +228,7 @@ def test_agent_cut_off_for_3s_does_not_requeue(tmp_path: Path, slurm_env: dict[s
     agent.send_signal(signal.SIGSTOP)
     time.sleep(3.0)
     agent.send_signal(signal.SIGCONT)
-    rec = wait_state(job_id, ENDED, 240)
+    rec = wait_state(job_id, ENDED_STATES, 240)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
     evs = events(run)
     assert len(named(evs, "attempt_started")) == 1
@@ -270,7 +259,7 @@ def test_node_death_survivors_finish_in_the_same_allocation(
         tb.wait_node_state("faults3", ("down",), 90)
         rec = job(job_id)
         assert rec["JobState"] in {"RUNNING", "COMPLETING", "COMPLETED"} and rec["Restarts"] == "0", rec
-        rec = wait_state(job_id, ENDED, 240)
+        rec = wait_state(job_id, ENDED_STATES, 240)
         assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
         assert rec["NodeList"] == "faults[1-2]", rec  # Slurm removed the dead node from the allocation
         rec = stays(job_id, "COMPLETED", 20)  # no requeue by Slurm of the finished job
@@ -303,7 +292,7 @@ def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
         kill_whole_node(tb, host)
         ended = wait_event(run, "attempt_ended", 30, attempt=0)
         assert ended["reason"] == "node_unhealthy" and ended["bad_nodes"] == [host], ended
-        rec = wait_state(job_id, ENDED, 300)
+        rec = wait_state(job_id, ENDED_STATES, 300)
         assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
         assert host not in rec["NodeList"] and host in rec["ExcNodeList"], rec
     finally:

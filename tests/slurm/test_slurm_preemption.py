@@ -12,7 +12,6 @@ submitted ``--no-requeue`` (resubmit mode) is cancelled instead: ``JobState=PREE
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 from hpcelastic import events as lifecycle_events
 from hpcelastic import handoff
 from hpcelastic.jobs import slurm
+from hpcelastic.jobs.slurm import ENDED_STATES
 from hpcelastic.lifecycle.attempt_end import end_attempt
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.reasons import Reason
@@ -34,32 +34,21 @@ from tests.slurm_utils import CKPT_EVERY, REPO, TRAIN, events, named, status_jso
 from tests.slurm_utils import job_record as job
 from tests.slurm_utils import wait_for_event as wait_event
 from tests.slurm_utils import wait_job_state as wait_state
-from tests.testbed import Testbed
+from tests.testbed import Testbed, own_instance
 
 pytestmark = pytest.mark.slurm
 
 NAME = "preempt"
 SETTINGS = {"index": "11", "nodes": "2", "preempt": "1"}
 NODES = ("preempt1", "preempt2")
-LOCK = Path(f"/var/lock/hpcelastic-testbed-{NAME}.lock")
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
 STEPS = 150
 
 
 @pytest.fixture(scope="module")
 def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
     """The module's own 2-node instance with preemption, brought up fresh and taken down at the end."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        inst = Testbed(NAME, dict(SETTINGS))
-        inst.down()
-        inst.up()
-        try:
-            yield inst
-        finally:
-            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
-            inst.down()
+    with own_instance(NAME, SETTINGS) as inst:
+        yield inst
 
 
 @pytest.fixture
@@ -147,7 +136,7 @@ def test_preemption_requeued_by_slurm_is_not_requeued_again(
     assert completing and completing[0]["Restarts"] == "1", seen  # requeued by Slurm at once
     assert completing[0].get("PreemptTime", "None") == "None", seen
     wait_state(urgent, {"COMPLETED"}, 120)
-    rec = wait_state(job_id, ENDED, 240)
+    rec = wait_state(job_id, ENDED_STATES, 240)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec  # one preemption, one requeue
     assert jobs_of(run) == [job_id]  # no duplicate job
 
@@ -186,7 +175,7 @@ def test_preemption_in_resubmit_mode_resubmits_once(tmp_path: Path, slurm_env: d
     resub = wait_event(run, "resubmitted", 60)
     second = str(resub["job_id"])
     wait_state(urgent, {"COMPLETED"}, 120)
-    rec = wait_state(second, ENDED, 240)
+    rec = wait_state(second, ENDED_STATES, 240)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
     assert job(job_id)["JobState"] == "PREEMPTED" and job(job_id)["Restarts"] == "0"
     assert jobs_of(run) == sorted([job_id, second])

@@ -8,8 +8,6 @@ instance that other tests share; the default instance is only looked at.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -18,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from hpcelastic.jobs.slurm import parse_scontrol_record as parse_record
-from tests.testbed import Testbed, instance_of
+from tests.testbed import Testbed, instance_of, own_instance
 
 pytestmark = pytest.mark.slurm
 
 SLURMD_TIMEOUT = 10  # DOWN about 27 s after the kill (SlurmdTimeout + ~17 s)
-LOCK = Path("/var/lock/hpcelastic-testbed-tbtest.lock")
 
 
 def _alive(pid: int) -> bool:
@@ -44,21 +41,12 @@ def default_pids(slurm_cluster: dict[str, object]) -> dict[str, int | None]:
 @pytest.fixture(scope="module")
 def tb(default_pids: dict[str, int | None]) -> Iterator[Testbed]:
     """A 2-node instance of this module's own: fast SlurmdTimeout, preemption, tbtest2 unresolvable."""
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        inst = Testbed(
-            "tbtest",
-            {"index": "3", "nodes": "2", "slurmd_timeout": str(SLURMD_TIMEOUT), "preempt": "1"}
-            | {"unresolvable": "tbtest2"},
-        )
-        inst.down()  # a leftover of an interrupted run, with other settings
-        inst.up()
-        try:
-            yield inst
-        finally:
-            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
-            inst.down()
+    with own_instance(
+        "tbtest",
+        {"index": "3", "nodes": "2", "slurmd_timeout": str(SLURMD_TIMEOUT), "preempt": "1"}
+        | {"unresolvable": "tbtest2"},
+    ) as inst:
+        yield inst
 
 
 def _job(tb: Testbed, job_id: str) -> dict[str, str]:

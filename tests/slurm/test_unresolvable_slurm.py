@@ -8,9 +8,7 @@ naming it, and Slurm does not run it again.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,29 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from hpcelastic.jobs.slurm import parse_scontrol_record
+from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 from tests.slurm_utils import REPO, TRAIN, events, named, reference_digest, train_args, wait_no_leaks
-from tests.testbed import Testbed
+from tests.testbed import Testbed, own_instance
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
-LOCK = Path("/var/lock/hpcelastic-testbed-nodns.lock")
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
 
 
 @pytest.fixture(scope="module")
 def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        inst = Testbed("nodns", {"index": "9", "nodes": "2", "unresolvable": "all"})
-        inst.down()
-        inst.up()
-        try:
-            yield inst
-        finally:
-            inst.slurm("scancel", "-u", str(os.getuid()), check=False)
-            inst.down()
+    with own_instance("nodns", {"index": "9", "nodes": "2", "unresolvable": "all"}) as inst:
+        yield inst
 
 
 def site(tmp_path: Path, extra: str = "", max_requeues: int = 3) -> str:
@@ -80,7 +66,7 @@ def wait_ended(tb: Testbed, job: str, timeout: float) -> tuple[dict[str, str], f
     while time.monotonic() - t0 < timeout:
         out = tb.slurm("scontrol", "show", "job", "-o", job, check=False)
         rec = parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
-        if rec.get("JobState") in ENDED:
+        if rec.get("JobState") in ENDED_STATES:
             return rec, time.monotonic() - t0
         time.sleep(0.3)
     raise AssertionError(f"job {job} did not end in {timeout} s: {rec}")
