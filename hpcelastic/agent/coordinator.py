@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from hpcelastic.agent import messages, protocol
@@ -173,8 +174,12 @@ class Coordinator:
         while self._by_rank and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.02)
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.events.close(timeout=drain_timeout)
 
     # ---- loop -------------------------------------------------------------------------------
@@ -201,13 +206,16 @@ class Coordinator:
                     next_hb = now + self._hb_interval
                     self._heartbeats()
                 self._apply(self.state.tick())
+        except Exception:
+            # A bug: say so once; the agents see their connections close and end as coordinator_lost.
+            print("hpcelastic: internal error in the coordinator (please report it):", file=sys.stderr)
+            traceback.print_exc()
         finally:
             for conn in list(self._conns.values()):
-                self._drop(conn, None)
+                with contextlib.suppress(Exception):
+                    self._drop(conn, None)
             self._sel.close()
             self._listener.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
 
     def _accept(self) -> None:
         while True:

@@ -106,6 +106,8 @@ def test_stop_signal_stops_every_group_after_one_step_and_a_rerun_resumes(tmp_pa
     assert again.returncode == 0, output2[-4000:]
     resumed = _groups(out2)
     assert [g["resumed_at"] for g in resumed] == [resume_step, resume_step], output2[-3000:]
-    assert [g["steps"][0][0] for g in resumed] == [resume_step, resume_step]
+    # A group that joins the first quorum late heals from its peer: its first commit may come later.
+    firsts = [g["steps"][0][0] for g in resumed]
+    assert min(firsts) == resume_step and all(f >= resume_step for f in firsts), firsts
     assert resumed[0]["params"] == resumed[1]["params"]
     print(f"every rank of both groups stopped after step {step}; both resumed at step {resume_step}")
