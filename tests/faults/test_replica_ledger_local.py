@@ -33,10 +33,13 @@ def test_ledger_of_a_replica_run_with_a_killed_worker(tmp_path: Path) -> None:
     led = data["ledger"]
     rep = led["replica_groups"]
     assert rep["groups"] == 2
-    assert 0.5 < rep["replica_step_efficiency"] < 1.0, rep
     assert rep["replica_steps_possible"] == 2 * STEPS, rep
     healthy, killed = rep["per_group"]
-    assert killed["lost_s"] > 0 and killed["restarts"] == 1 and killed["steps_missed"] > 0, killed
+    assert killed["lost_s"] > 0 and killed["restarts"] == 1, killed
+    # Group 1 misses the steps group 0 commits without it: none when group 0 was itself held up (its
+    # allreduce with the dead worker timing out) until group 1 was back, as on a loaded machine.
+    assert rep["replica_steps_committed"] == 2 * STEPS - killed["steps_missed"], rep
+    assert 0.5 < rep["replica_step_efficiency"] <= 1.0, rep
     assert healthy["lost_s"] == 0 and healthy["restarts"] == 0 and healthy["steps_missed"] == 0, healthy
     assert healthy["productive_s"] > killed["productive_s"] > 0
     # The job itself was never interrupted: no job incident, its productive time is group 0's.
