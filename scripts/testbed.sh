@@ -29,6 +29,8 @@
 #            out of /etc/hosts; Slurm reaches them by NodeAddr only,
 #   TESTBED_PREEMPT=1: add partition `urgent` (PriorityTier=10) over the same nodes, with
 #            PreemptType=preempt/partition_prio and PreemptMode=REQUEUE: its jobs requeue `debug` jobs.
+#   TESTBED_PREEMPT_GRACE=N (with TESTBED_PREEMPT=1): `debug` gets GraceTime=N and the cluster
+#            SlurmctldParameters=preempt_send_user_signal (22.05; PreemptParameters= from 23.02), as sites that let preempted jobs checkpoint configure it.
 #
 # Node names resolve to their own loopback address (node1 -> 127.0.1.1, ...) through
 # /etc/hosts, so every emulated node has its own IP, like a real cluster.
@@ -49,6 +51,7 @@ CRED_EXPIRE=${TESTBED_CRED_EXPIRE:-10}
 SLURMD_TIMEOUT=${TESTBED_SLURMD_TIMEOUT:-60}
 UNRESOLVABLE=${TESTBED_UNRESOLVABLE:-}
 PREEMPT=${TESTBED_PREEMPT:-0}
+PREEMPT_GRACE=${TESTBED_PREEMPT_GRACE:-0}
 if [ "$NAME" = default ]; then
   INDEX=1
   CONF_DIR=/etc/slurm
@@ -182,12 +185,13 @@ write_config() {
     if [ "$PREEMPT" = 1 ]; then
       echo "PreemptType=preempt/partition_prio"
       echo "PreemptMode=REQUEUE"
+      if [ "$PREEMPT_GRACE" != 0 ]; then echo "SlurmctldParameters=preempt_send_user_signal"; fi
     fi
     for i in $(seq 1 "$NODES"); do
       echo "NodeName=$PREFIX$i NodeHostname=$host NodeAddr=$NET.$i Port=$((NODE_PORT0 + i)) CPUs=$CPUS RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"
     done
     if [ "$PREEMPT" = 1 ]; then
-      echo "PartitionName=debug Nodes=$PREFIX[1-$NODES] Default=YES MaxTime=INFINITE State=UP PriorityTier=1"
+      echo "PartitionName=debug Nodes=$PREFIX[1-$NODES] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$PREEMPT_GRACE"
       echo "PartitionName=urgent Nodes=$PREFIX[1-$NODES] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF"
     else
       echo "PartitionName=debug Nodes=$PREFIX[1-$NODES] Default=YES MaxTime=INFINITE State=UP"

@@ -8,12 +8,20 @@ PREEMPTION"; the ``--signal`` is not sent) and, for a job that may requeue, requ
 trap sees ``JobState=COMPLETING``, ``Restarts`` one past the attempt's, no ``PreemptTime``. A job
 submitted ``--no-requeue`` (resubmit mode) is cancelled instead: ``JobState=PREEMPTED`` with
 ``PreemptTime``. The assertions read ``scontrol show job`` and the run's events.
+
+Sites that let preempted jobs checkpoint give the partition a ``GraceTime`` and set
+``SlurmctldParameters=preempt_send_user_signal`` (``PreemptParameters=send_user_signal`` from 23.02):
+then Slurm sends the job's ``--signal`` at preemption (measured here: to the batch shell within 0.3 s,
+the job still RUNNING with ``PreemptTime`` set and EndTime now + GraceTime). A second instance
+(``grace``: 127.0.13.x, GraceTime 30 s) checks that hpcelastic then stops every rank after one step,
+publishes that step's checkpoint and requeues before the grace ends, so nothing is trained twice.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,7 +48,8 @@ pytestmark = pytest.mark.slurm
 
 NAME = "preempt"
 SETTINGS = {"index": "11", "nodes": "2", "preempt": "1"}
-NODES = ("preempt1", "preempt2")
+WATCHED = ("JobState", "PreemptTime")
+GRACE = {"index": "13", "nodes": "2", "preempt": "1", "preempt_grace": "30"}
 STEPS = 150
 
 
@@ -51,16 +60,35 @@ def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
         yield inst
 
 
-@pytest.fixture
-def slurm_env(tb: Testbed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
-    """Slurm commands of this test (and of hpcelastic) talk to the module's instance."""
+@pytest.fixture(scope="module")
+def graced(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
+    """A 2-node instance whose `debug` jobs get a 30 s grace and their ``--signal`` when preempted."""
+    with own_instance("grace", GRACE) as inst:
+        yield inst
+
+
+def use_instance(tb: Testbed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Slurm commands of this test (and of hpcelastic) talk to ``tb``, its nodes idle; its jobs
+    cancelled at the end."""
     env = tb.slurm_env()
     monkeypatch.setenv("SLURM_CONF", env["SLURM_CONF"])
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    for node in NODES:
+    for node in (f"{tb.name}1", f"{tb.name}2"):
         tb.wait_node_state(node, ("idle",), 90)
     yield env
     tb.slurm("scancel", "-u", str(os.getuid()), check=False)
+
+
+@pytest.fixture
+def slurm_env(tb: Testbed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Slurm commands of this test (and of hpcelastic) talk to the module's instance."""
+    yield from use_instance(tb, monkeypatch, tmp_path)
+
+
+@pytest.fixture
+def grace_env(graced: Testbed, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Slurm commands of this test (and of hpcelastic) talk to the instance with a grace time."""
+    yield from use_instance(graced, monkeypatch, tmp_path)
 
 
 def submit(tmp_path: Path, site: str, *flags: str) -> tuple[str, Path]:
@@ -75,7 +103,8 @@ def submit(tmp_path: Path, site: str, *flags: str) -> tuple[str, Path]:
 
 
 def preempt(job_id: str) -> tuple[str, list[dict[str, str]]]:
-    """Submit the `urgent` job that needs both nodes; (its id, ``job_id``'s records until it left RUNNING)."""
+    """Submit the `urgent` job that needs both nodes; (its id, ``job_id``'s records until it left RUNNING,
+    one each time its JobState or PreemptTime changed)."""
     out = subprocess.run(
         [
             "sbatch",
@@ -98,7 +127,7 @@ def preempt(job_id: str) -> tuple[str, list[dict[str, str]]]:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         rec = job(job_id)
-        if not seen or rec.get("JobState") != seen[-1].get("JobState"):
+        if not seen or [rec.get(k) for k in WATCHED] != [seen[-1].get(k) for k in WATCHED]:
             seen.append(rec)
         if rec.get("JobState") not in ("RUNNING", "COMPLETING"):
             break
@@ -224,3 +253,40 @@ def test_a_late_decision_after_slurms_requeue_neither_requeues_nor_lets_a_cancel
     assert requeued["by"] == "slurm" and requeued["attempt"] == 1
     assert named(evs, "job_failed")[-1]["reason"] == "cancelled"
     assert not named(evs, "resubmitted") and not named(evs, "requeue_failed")
+
+
+def test_preemption_with_a_grace_time_stops_every_rank_at_one_step_and_loses_none(
+    tmp_path: Path, grace_env: dict[str, str]
+) -> None:
+    """GraceTime + preempt_send_user_signal: the ``--signal`` comes at preemption; every rank stops
+    after the same step, that step's checkpoint is published, hpcelastic requeues while the job still
+    runs (one requeue: Restarts=1, one job id) and the next attempt resumes from exactly that step."""
+    job_id, run = submit(tmp_path, "testbed")
+    wait_state(job_id, {"RUNNING"}, 60)
+    wait_event(run, "checkpoint_published", 120, step=2 * CKPT_EVERY)
+    urgent, seen = preempt(job_id)
+    graced = [r for r in seen if r["JobState"] == "RUNNING" and r.get("PreemptTime", "None") != "None"]
+    assert graced, seen  # preempted, and still running in its grace time
+    wait_state(urgent, {"COMPLETED"}, 120)
+    rec = wait_state(job_id, ENDED_STATES, 240)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
+    assert jobs_of(run) == [job_id]
+
+    evs = events(run)
+    signalled = named(evs, "signal_received")
+    assert signalled and {e["signal"] for e in signalled} == {"SIGUSR2"}, signalled  # the --signal, no TERM
+    first = named(evs, "attempt_ended")[0]
+    assert first["attempt"] == 0 and first["reason"] == "preempted", first
+    (requeued,) = named(evs, "requeued")
+    assert requeued["by"] != "slurm" and requeued["reason"] == "preempted", requeued
+    log = "\n".join(p.read_text() for p in run.glob("slurm-*.out"))
+    m = re.search(r"every rank stops after step (\d+)", log)
+    assert m, log[-3000:]
+    stop = int(m.group(1))
+    before = published(evs, 0)
+    assert before[-1] == stop, (before, stop)  # the stop step's own checkpoint, not the last periodic one
+    resumed = [int(str(e["step"])) for e in named(evs, "progress") if e["attempt"] == 1]
+    assert resumed and min(resumed) >= stop, (resumed, stop)
+    assert not named(evs, "root_cause")
+    assert status_json(str(run))["outcome"] == "succeeded"
+    assert (tmp_path / "out" / "final.json").is_file()
