@@ -10,6 +10,8 @@ resubmit) complete the matrix; the README's Reliability section lists all of the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from tests.slurm_utils import (
     wait_job_finished,
     wait_no_leaks,
 )
+from tests.testbed import Testbed
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -231,7 +234,14 @@ def test_slurmctld_restarted_mid_job(tmp_path: Path, slurm_jobs: list[str]) -> N
     job, run = submit_reference(tmp_path, *TWO_NODES, "--max-restarts", "1", train=("--step-time", "0.3"))
     slurm_jobs.append(job)
     wait_for_event(run, "checkpoint_published", step=5)
-    subprocess.run(["pkill", "-x", "slurmctld"], check=True)
+    # Only the default instance's slurmctld: other instances may be in use beside it.
+    pid = Testbed().daemon_pids()["slurmctld"]
+    assert pid, "the default instance's slurmctld is not running"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists():
+        assert time.monotonic() < deadline, "slurmctld did not stop"
+        time.sleep(0.2)
     time.sleep(3)
     subprocess.run(["slurmctld"], check=True)
     deadline = time.monotonic() + 60
