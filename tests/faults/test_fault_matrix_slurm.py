@@ -26,6 +26,7 @@ from tests.slurm_utils import (
     REPO,
     events,
     final_digest,
+    job_record,
     named,
     reference_digest,
     status_json,
@@ -177,21 +178,26 @@ def test_identical_startup_failure_is_not_requeued_again(tmp_path: Path, slurm_j
     assert story["outcome"] != "succeeded" and "startup_failure" in reasons(story)
 
 
+@pytest.mark.parametrize(
+    ("time_limit", "lead", "steps"),
+    # Slurm sends the --signal on its own schedule, up to a minute early: with 2 minutes and a 45 s
+    # lead it comes 15-75 s into each attempt, after the first checkpoints and before the 90 s of
+    # training are done; with 7 minutes and a 330 s lead (a lead over 300 s is still the time limit,
+    # not a cancel) 30-90 s in, before the 120 s of training are done.
+    [("2", 45, 300), ("7", 330, 400)],
+    ids=["lead-45s", "lead-330s"],
+)
 def test_time_limit_checkpoints_and_requeues_without_using_the_budget(
-    tmp_path: Path, slurm_jobs: list[str]
+    tmp_path: Path, slurm_jobs: list[str], time_limit: str, lead: int, steps: int
 ) -> None:
-    # Slurm sends the --signal on its own schedule, up to a minute early: with 2 minutes and a
-    # 45 s lead it comes 15-75 s into each attempt, after the first checkpoints and before the
-    # 90 s of training are done.
-    steps = 300
     job, run = submit_reference(
         tmp_path,
         *TWO_NODES,
         "--max-restarts",
         "0",
         "--signal",
-        "USR2@45",
-        time_limit="2",
+        f"USR2@{lead}",
+        time_limit=time_limit,
         steps=steps,
         train=("--step-time", "0.3"),
     )
@@ -199,6 +205,7 @@ def test_time_limit_checkpoints_and_requeues_without_using_the_budget(
     story = finished_ok(tmp_path, job, run, steps=steps, timeout=600)
     requeued = named(events(run), "requeued")
     assert requeued and {r["reason"] for r in requeued} == {"time_limit"}
+    assert job_record(job)["Restarts"] == str(len(requeued))  # Slurm's view: one requeue each, no other
     counts = requeue_counts(RunDir(run).events())
     assert counts[RequeueCounter.FAILURE] == 0 and counts[RequeueCounter.TIME_LIMIT] == len(requeued)
     assert "time_limit" in reasons(story)

@@ -47,13 +47,14 @@ def test_preempted_ranks_of_different_speeds_stop_after_the_same_step(
     time.sleep(0.3)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
     rec = wait_job_finished(job, timeout=300)
-    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
+    log = "\n".join(p.read_text() for p in run.glob("slurm-*.out"))
+    story = f"{[e['event'] for e in events(run)]}\n{log[-4000:]}"
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", (rec, story)
     stops = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))}
-    assert sorted(stops) == [f"rank-{r}.json" for r in range(4)], stops
+    assert sorted(stops) == [f"rank-{r}.json" for r in range(4)], (stops, story)
     steps = {s["step"] for s in stops.values()}
     assert len(steps) == 1, stops
     assert sorted(p.name for p in out.glob("again-*")) == [f"again-{r}" for r in range(4)]
-    log = "\n".join(p.read_text() for p in run.glob("slurm-*.out"))
     assert f"every rank stops after step {steps.pop()}" in log, log[-3000:]
     evs = events(run)
     (requeued,) = named(evs, "requeued")
