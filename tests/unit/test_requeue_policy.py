@@ -95,6 +95,13 @@ def _calls(log: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+@pytest.fixture(autouse=True)
+def no_real_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Slurm command is found unless a test puts its stand-ins on PATH: the job ids here ("123")
+    may be real jobs of a testbed running beside these tests, which must neither be asked nor requeued."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+
+
 @pytest.fixture
 def rd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> RunDir:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
