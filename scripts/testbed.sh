@@ -30,7 +30,8 @@
 #   TESTBED_PREEMPT=1: add partition `urgent` (PriorityTier=10) over the same nodes, with
 #            PreemptType=preempt/partition_prio and PreemptMode=REQUEUE: its jobs requeue `debug` jobs.
 #   TESTBED_PREEMPT_GRACE=N (with TESTBED_PREEMPT=1): `debug` gets GraceTime=N and the cluster
-#            SlurmctldParameters=preempt_send_user_signal (22.05; PreemptParameters= from 23.02), as sites that let preempted jobs checkpoint configure it.
+#            SlurmctldParameters=preempt_send_user_signal (22.05; PreemptParameters= from 23.02),
+#            as sites that let preempted jobs checkpoint configure it.
 #
 # Node names resolve to their own loopback address (node1 -> 127.0.1.1, ...) through
 # /etc/hosts, so every emulated node has its own IP, like a real cluster.
