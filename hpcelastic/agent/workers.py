@@ -209,7 +209,9 @@ def read_error_file(path: Path) -> tuple[str, str] | None:
 
 
 #: torchft's Rust INFO lines (one per quorum and commit): kept in the rank log, not in the job's output.
-_RANK_LOG_ONLY = re.compile(rb"^\S+ \[INFO\] \[torchft::")
+#: Matched anywhere in the line: its timestamp is written apart from the rest and another thread's output
+#: can land between the two (seen in CI as a line that began " [INFO] [torchft::manager]").
+_RANK_LOG_ONLY = re.compile(rb"\[INFO\] \[torchft::")
 _TORCH_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 
 
@@ -471,7 +473,7 @@ def _copy_lines(
         log.write(line)
         log.flush()
         tail.append(line.decode(errors="replace").rstrip("\n"))
-        if _RANK_LOG_ONLY.match(line):
+        if _RANK_LOG_ONLY.search(line):
             continue
         with _OUT_LOCK, contextlib.suppress(OSError):
             os.write(out_fd, prefix + line)

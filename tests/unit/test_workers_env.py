@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import selectors
@@ -16,6 +19,7 @@ from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.agent.workers import (
     WorkerConfig,
     WorkerGroup,
+    _copy_lines,
     read_error_file,
     traceback_from_tail,
     worker_env,
@@ -221,3 +225,25 @@ def test_step_progress_outlives_stopping_the_workers(tmp_path: Path) -> None:
         watchdog.close()
         os.close(devnull)
     assert group.workers == [] and group.progressed
+
+
+def test_torchft_info_lines_stay_in_the_rank_log(tmp_path: Path) -> None:
+    """A torchft quorum line goes to the rank log only, also when its timestamp was torn off (seen in CI)."""
+    lines = [
+        b"2026-11-23T20:31:07.101 [INFO] [torchft::manager] - [Replica r0] Start quorum\n",
+        b" [INFO] [torchft::manager] - [Replica r0] Start quorum for group_rank 0\n",
+        b"step 3 loss 0.5\n",
+        b"2026-11-23T20:31:07.101 [WARN] [torchft::manager] - quorum timed out\n",
+    ]
+    log = io.BytesIO()
+    read_fd, write_fd = os.pipe()
+    try:
+        _copy_lines(io.BytesIO(b"".join(lines)), log, b"[rank0]: ", collections.deque(maxlen=10), write_fd)
+        os.close(write_fd)
+        with os.fdopen(read_fd, "rb") as out:
+            shown = out.read()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write_fd)
+    assert log.getvalue() == b"".join(lines)
+    assert shown == b"[rank0]: step 3 loss 0.5\n[rank0]: " + lines[3]
