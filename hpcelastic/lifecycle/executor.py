@@ -169,23 +169,7 @@ class Executor:
                 error, by = None, Requeuer.SLURM
                 exclude_error = exclude_error or "Slurm had already requeued the job"
             if error is None:
-                duration = round(time.monotonic() - t0, 4)
-                rd.record(
-                    events.requeued(
-                        job_id=job_id,
-                        attempt=attempt + 1,
-                        reason=reason,
-                        exclude=exclude,
-                        duration_s=duration,
-                        note=exclude_error,
-                        by=by,
-                    )
-                )
-                msg = f"attempt {attempt} ended ({reason}); job {job_id} requeued as attempt {attempt + 1}"
-                self.say(msg + _nodes_note(exclude))
-                return Outcome(
-                    Result.REQUEUED, reason, decision.exit_code, attempt, attempt + 1, job_id, msg, duration
-                )
+                return self._requeued(rd, end, decision, t0, by, exclude_error)
             rd.record(events.requeue_failed(error=error, fallback="resubmit", job_id=job_id, attempt=attempt))
             self.say(f"scontrol requeue {job_id} failed ({error}); resubmitting the batch script instead")
         if is_cancelled(rd):
@@ -225,10 +209,18 @@ class Executor:
     def _slurm_requeued(self, rd: RunDir, end: AttemptEnd, decision: Decision, t0: float) -> Outcome:
         """Slurm has queued the job again itself: record it, exclude the bad nodes, submit nothing."""
         assert decision.job_id is not None
-        job_id, attempt, reason = decision.job_id, end.attempt, end.reason
+        job_id = decision.job_id
         _, exclude_error = self._retrying(
             lambda: slurm.exclude_nodes(job_id, list(decision.exclude), release=list(decision.release))
         )
+        return self._requeued(rd, end, decision, t0, Requeuer.SLURM, exclude_error)
+
+    def _requeued(
+        self, rd: RunDir, end: AttemptEnd, decision: Decision, t0: float, by: Requeuer, note: str | None
+    ) -> Outcome:
+        """The job is pending again under its own id (queued by ``by``): the event, the line, the outcome."""
+        assert decision.job_id is not None
+        job_id, attempt, reason = decision.job_id, end.attempt, end.reason
         duration = round(time.monotonic() - t0, 4)
         rd.record(
             events.requeued(
@@ -237,11 +229,12 @@ class Executor:
                 reason=reason,
                 exclude=decision.exclude,
                 duration_s=duration,
-                note=exclude_error,
-                by=Requeuer.SLURM,
+                note=note,
+                by=by,
             )
         )
-        msg = f"attempt {attempt} ended ({reason}); Slurm requeued job {job_id} as attempt {attempt + 1}"
+        done = f"Slurm requeued job {job_id}" if by is Requeuer.SLURM else f"job {job_id} requeued"
+        msg = f"attempt {attempt} ended ({reason}); {done} as attempt {attempt + 1}"
         self.say(msg + _nodes_note(decision.exclude))
         code = decision.exit_code
         return Outcome(Result.REQUEUED, reason, code, attempt, attempt + 1, job_id, msg, duration)

@@ -1,7 +1,9 @@
-"""torchft replica groups under `hpcelastic run`: a failure restarts only its group, healed from a peer."""
+"""torchft replica groups under `hpcelastic run`: a failure restarts only its group, healed from a peer; the
+lost-time ledger charges the lost time to that group only and the job keeps its productive time."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +30,37 @@ def test_worker_killed_in_group_1_restarts_only_group_1(tmp_path: Path) -> None:
     assert "[INFO] [torchft::" not in output, "torchft's per-quorum INFO lines belong in the rank logs"
     assert "replica group 1: restarting" in output
     check_group_restart(out, RunDir(run_dir).events(), steps=STEPS)
-    status = subprocess.run(
-        [sys.executable, "-m", "hpcelastic", "status", str(run_dir)], capture_output=True, text=True
-    )
-    assert "replica group 1 restarting" in status.stdout and "healed from group(s) 0" in status.stdout
     assert "[INFO] [torchft::lighthouse]" in (run_dir / "logs" / "lighthouse.log").read_text()
+    check_replica_ledger(run_dir)
+
+
+def check_replica_ledger(run_dir: Path) -> None:
+    """Group 1's lost time is its own; the job was never interrupted (before, the groups' parallel rounds
+    made the whole attempt start-up: ETTR 0 %)."""
+    status = [sys.executable, "-m", "hpcelastic", "status", str(run_dir)]
+    data = json.loads(subprocess.run([*status, "--json"], capture_output=True, text=True, check=True).stdout)
+    led = data["ledger"]
+    rep = led["replica_groups"]
+    assert rep["groups"] == 2
+    assert rep["replica_steps_possible"] == 2 * STEPS, rep
+    healthy, killed = rep["per_group"]
+    assert killed["lost_s"] > 0 and killed["restarts"] == 1, killed
+    # Group 1 misses the steps group 0 commits without it: none when group 0 was itself held up (its
+    # allreduce with the dead worker timing out) until group 1 was back, as on a loaded machine.
+    assert rep["replica_steps_committed"] == 2 * STEPS - killed["steps_missed"], rep
+    assert 0.5 < rep["replica_step_efficiency"] <= 1.0, rep
+    assert healthy["lost_s"] == 0 and healthy["restarts"] == 0 and healthy["steps_missed"] == 0, healthy
+    assert healthy["productive_s"] > killed["productive_s"] > 0
+    # The job itself was never interrupted: no job incident, its productive time is group 0's.
+    assert led["incidents"] == [] and led["ettr"] > 0.3, led["ettr"]
+    assert led["productive_s"] == pytest.approx(healthy["productive_s"], abs=0.01)
+    # The time from the last step to the end of the attempt is its own category.
+    assert led["badput_by_phase"].get("shutdown", 0) > 0, led["badput_by_phase"]
+
+    text = subprocess.run(status, capture_output=True, text=True, check=True).stdout
+    assert "replica groups: 2; replica-step efficiency" in text
+    assert "replica group 1 restarting" in text and "healed from group(s) 0" in text
+    assert "group 1 worker_failure" in text
 
 
 def test_replica_groups_must_split_the_nodes(tmp_path: Path) -> None:
