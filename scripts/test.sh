@@ -9,4 +9,4 @@ bash scripts/testbed.sh up
 .venv/bin/ruff format --check .
 # Open MPI refuses to run as root unless told; the MPI tests run as whoever runs this.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-exec .venv/bin/python -m pytest -p no:cacheprovider -ra "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=15 "$@"
