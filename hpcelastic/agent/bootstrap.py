@@ -13,6 +13,7 @@ import selectors
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -228,7 +229,7 @@ def install_signals(rt: NodeRuntime, wake: Wake, stack: contextlib.ExitStack) ->
     """Deliver the stop signal and SIGTERM/SIGINT/SIGHUP to the main loop through the wake pipe."""
 
     def on_signal(signum: int, _frame: Any) -> None:
-        rt.signals.append(signum)
+        rt.signals.append((signum, time.time()))
 
     signal.set_wakeup_fd(wake.w, warn_on_full_buffer=False)
     stack.callback(_clear_wakeup_fd)

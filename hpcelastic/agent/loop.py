@@ -95,15 +95,19 @@ class NodeLoop:
             deadlines += [self.stop_deadline] if self.stop_deadline is not None else []
             now = time.monotonic()
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
-            for key, _mask in rt.selector.select(timeout):
+            ready = rt.selector.select(timeout)
+            # A stop signal first: Slurm signals the workers with their agent, and a worker it killed
+            # is this node being stopped, not a worker failure to report.
+            self._drain_signals()
+            for key, _mask in ready:
+                if self.exit_code is not None:
+                    break
                 if key.data == "wake":
                     rt.inbox.wake.drain()
                 elif key.data == "hb":
                     self._read_heartbeats()
                 else:
                     self._on_worker_exit(key.data[1])
-                if self.exit_code is not None:
-                    break
             self._drain_signals()
             self._drain_messages()
             self._send_stall_report()
@@ -277,13 +281,13 @@ class NodeLoop:
     def _drain_signals(self) -> None:
         signals = self.rt.signals
         while signals and self.exit_code is None:
-            signum = signals.pop(0)
+            signum, ts = signals.pop(0)
             if signum == self.rt.spec.stop_signal:
                 name = signal.Signals(signum).name
                 self._event(events.signal_received(signal=name, node_rank=self.rt.ctx.node_rank))
                 self._begin_preempt(name, local=True)
             else:
-                self._terminate(signum)
+                self._terminate(signum, ts)
 
     def _begin_preempt(self, signame: str, *, local: bool) -> None:
         rt = self.rt
@@ -334,12 +338,12 @@ class NodeLoop:
         self.reported_round = rnd
         self.rt.client.send(messages.Stopped(rnd))
 
-    def _terminate(self, signum: int) -> None:
-        """SIGTERM/SIGINT/SIGHUP: stop the workers and leave the job."""
+    def _terminate(self, signum: int, ts: float) -> None:
+        """SIGTERM/SIGINT/SIGHUP (delivered at ``ts``): stop the workers and leave the job."""
         name = signal.Signals(signum).name
         self.rt.say(f"{name}: stopping this node's workers")
         self.rt.group.stop(min(RESTART_KILL_GRACE, self.rt.spec.grace_period))
-        self.rt.client.send(messages.Leave(f"agent received {name}", signalled=True))
+        self.rt.client.send(messages.Leave(f"agent received {name}", signalled=True, signalled_at=ts))
         self.state = State.DONE
         self.exit_code = 128 + signum
 

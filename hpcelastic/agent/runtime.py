@@ -111,8 +111,8 @@ class NodeRuntime:
     stop_file: Path
     #: None where NVML or GPUs are absent.
     health: GpuHealth | None
-    #: Signals delivered and not yet handled (appended by the signal handler).
-    signals: list[int] = field(default_factory=list)
+    #: Signals delivered and not yet handled, with when (appended by the signal handler).
+    signals: list[tuple[int, float]] = field(default_factory=list)
 
     def say(self, text: str) -> None:
         say(self.ctx.node_rank, text)
