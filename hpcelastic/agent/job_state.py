@@ -30,6 +30,10 @@ from hpcelastic.hangs.stacks import ProcessStack, python_traceback, stack_from_j
 from hpcelastic.reasons import Named, Reason, RestartCause
 
 STOP_TIMEOUT_EXTRA = 15.0
+#: Slurm signals every node of a step (scancel, preemption, time limit), but each slurmd on its own
+#: time: an agent that a signal stopped is held this long for the others before it counts as its
+#: node's loss, so a job-wide stop is never read as one node lost and the others stopped.
+SIGNAL_SETTLE_S = 2.0
 #: How long the coordinator waits for every node's stacks once all ranks stalled.
 STACKS_TIMEOUT = 25.0
 
@@ -158,6 +162,9 @@ class JobState:
         self.bad_nodes: list[str] = []
         self.lost_hosts: list[str] = []
         self.departed: set[int] = set()
+        #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
+        self.leaving: dict[int, tuple[str, float]] = {}
+        self.leaving_until: float | None = None
         self.result: messages.Finish | None = None
         #: After a preemption signal: each round node's (highest step, steps/s) until the stop step is fixed.
         self.step_reports: dict[int, tuple[int | None, float]] = {}
@@ -195,10 +202,46 @@ class JobState:
         """The nodes (``rank (host)``) that have not joined."""
         return [f"{i} ({h})" for i, h in enumerate(self.hosts) if i not in self.members]
 
-    def lost(
-        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled: bool = False
+    def left(
+        self,
+        node_rank: int,
+        reason: str,
+        *,
+        unhealthy: bool = False,
+        signalled: bool = False,
+        signalled_at: float | None = None,
     ) -> list[Action]:
-        """An agent's connection closed or went silent, or it left (bad node, or stopped by a signal)."""
+        """An agent said it leaves: a bad node at once; one a signal stopped (at ``signalled_at``, its
+        clock) is held for SIGNAL_SETTLE_S, and once every joined agent left that way, they all count
+        together as the step's stop."""
+        if unhealthy or not signalled or node_rank not in self.members or self.phase is Phase.FINISHED:
+            return self.lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled)
+        self.leaving[node_rank] = (reason, self._now() if signalled_at is None else signalled_at)
+        if self.leaving_until is None:
+            self.leaving_until = self._now() + SIGNAL_SETTLE_S
+        if set(self.leaving) >= set(self.members):
+            return self._settle_leaving()
+        return []
+
+    def _settle_leaving(self) -> list[Action]:
+        """The held signalled departures become losses (the coordinator's own node first)."""
+        leaving, self.leaving, self.leaving_until = self.leaving, {}, None
+        actions: list[Action] = []
+        for n, (reason, ts) in sorted(leaving.items()):
+            actions += self.lost(n, reason, signalled=True, left_at=ts)
+        return actions
+
+    def lost(
+        self,
+        node_rank: int,
+        reason: str,
+        *,
+        unhealthy: bool = False,
+        signalled: bool = False,
+        left_at: float | None = None,
+    ) -> list[Action]:
+        """An agent's connection closed or went silent, or it left (bad node, or stopped by a signal) at
+        ``left_at`` (default: now)."""
         member = self.members.pop(node_rank, None)
         if member is None or self.phase is Phase.FINISHED:
             return []
@@ -207,7 +250,8 @@ class JobState:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
             return actions
-        lost = LostNode(node_rank, member.host, reason, self._now(), self.round, signalled)
+        ts = self._now() if left_at is None else left_at
+        lost = LostNode(node_rank, member.host, reason, ts, self.round, signalled)
         self.lost_in_round.append(lost)
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.NODE_LOST)
@@ -387,6 +431,8 @@ class JobState:
     def tick(self) -> list[Action]:
         """Time-driven decisions: rendezvous timeout, agents that never finish stopping, the stop step."""
         now = self._now()
+        if self.leaving_until is not None and now >= self.leaving_until:
+            return self._settle_leaving()
         if self.phase is Phase.PREEMPTING and self.step_deadline is not None and now >= self.step_deadline:
             return self._fix_stop_step()
         if self.hang is not None and self.hang.round == self.round and now >= self.hang.deadline:
@@ -566,18 +612,20 @@ class JobState:
         return actions + self._start_round()
 
     def _root_cause(self) -> list[Action]:
-        """The round's first failure, job-wide: a lost node before any worker failure. None when a signal
-        stopped every node of the round: whoever sent it (Slurm: cancel, preemption, time limit) ends the
-        attempt, and ``finalize`` asks Slurm why."""
+        """The round's first failure, job-wide: a vanished node before any worker failure (its loss
+        explains them); else a worker failure the stop signal does not explain; else the first node a
+        signal stopped. None when a signal stopped every node of the round: whoever sent it (Slurm:
+        cancel, preemption, time limit) ends the attempt, and ``finalize`` asks Slurm why."""
         if self._all_signalled():
             return []
-        if self.lost_in_round:
-            lost = self.lost_in_round[0]
+        lost = self._first_lost()
+        failures = [f for f in self.failures if not self._follows_the_stop(f)]
+        if lost is not None and (not lost.signalled or not failures):
             cause: dict[str, Any] = {"round": self.round, "node_rank": lost.node_rank, "node": lost.node}
             cause["error"] = f"node lost: {lost.reason}"
             traceback, exit_ts = "", lost.ts
-        elif self.failures:
-            cause = min(self.failures, key=lambda f: f.get("ts") or 0.0)
+        elif failures:
+            cause = min(failures, key=lambda f: f.get("ts") or 0.0)
             traceback, exit_ts = cause.get("traceback") or "", cause.get("ts")
         else:
             return []
@@ -587,14 +635,31 @@ class JobState:
             text += "\n" + traceback.rstrip()
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
 
+    def _first_lost(self) -> LostNode | None:
+        """The round's first vanished node, else the first a signal stopped."""
+        vanished = [n for n in self.lost_in_round if not n.signalled]
+        return vanished[0] if vanished else min(self.lost_in_round, key=lambda n: n.ts, default=None)
+
+    def _follows_the_stop(self, failure: Failure) -> bool:
+        """A worker failure a stop signal explains: killed by a signal on a node whose agent a signal
+        stopped (Slurm signals the workers with their agent), or at or after the round's first such
+        signal (its peers went away). Times are the nodes' clocks."""
+        stopped = [n for n in self.lost_in_round if n.signalled]
+        if not stopped:
+            return False
+        if failure.get("signal") and failure.get("node_rank") in {n.node_rank for n in stopped}:
+            return True
+        return (failure.get("ts") or 0.0) >= min(n.ts for n in stopped)
+
     def _all_signalled(self) -> bool:
-        """Every node of the round left because a signal told its agent to stop, and no worker failed."""
+        """Every node of the round left because a signal told its agent to stop, and every worker
+        failure follows that stop."""
         lost = self.lost_in_round
         return (
             bool(lost)
-            and not self.failures
             and all(n.signalled for n in lost)
             and {n.node_rank for n in lost} >= set(self.round_nodes)
+            and all(self._follows_the_stop(f) for f in self.failures)
         )
 
     def _finish(self, reason: Reason, message: str = "") -> list[Action]:

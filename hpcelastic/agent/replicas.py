@@ -306,14 +306,21 @@ class ReplicaJobState(JobState):
         return actions + self._check_stopped()
 
     def lost(
-        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled: bool = False
+        self,
+        node_rank: int,
+        reason: str,
+        *,
+        unhealthy: bool = False,
+        signalled: bool = False,
+        left_at: float | None = None,
     ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
-            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled)
+            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled, left_at=left_at)
         member = self.members.pop(node_rank)
         actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled=signalled)
-        self.lost_in_round.append(LostNode(node_rank, member.host, reason, self._now(), g.round, signalled))
+        ts = self._now() if left_at is None else left_at
+        self.lost_in_round.append(LostNode(node_rank, member.host, reason, ts, g.round, signalled))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)
         if g.phase is GroupPhase.RUNNING:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from tests.faults.localjob import EXAMPLE, REPO
@@ -141,6 +144,25 @@ def test_preemption_signal_stops_every_node_with_code_5(local_job) -> None:
     [skipped] = job.events("requeue_skipped")
     assert skipped["reason"] == "no_slurm_job"
     assert (job.run_dir.path / "stop-attempt-0").exists()
+
+
+def test_a_stop_signal_reaching_the_nodes_apart_is_one_stop_not_a_lost_node(local_job) -> None:
+    """Slurm's TERM (scancel, preemption, time limit) reaches each node when its slurmd gets to it, to
+    the agent and its workers at once. Node 1 gets it 0.5 s before node 0: before, the coordinator read
+    node 1 as lost, stopped node 0 and recorded a root cause (CI, preempted job); it is one stop. Node
+    0's workers may fail on the closed peers first: that failure follows the stop and is no root cause."""
+    job = local_job(train_args=("--step-time", "0.3"))
+    job.wait_for_training(2)
+    for i in (1, 0):
+        agent = psutil.Process(job.agents[i].pid)
+        for proc in [agent, *agent.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+    assert job.wait() == [128 + signal.SIGTERM] * 2
+    lost = job.events("node_lost")
+    assert sorted(e["node_rank"] for e in lost) == [0, 1], lost
+    assert not job.events("root_cause") and not job.events("restarting")
 
 
 def test_mpirun_bootstraps_the_job(tmp_path) -> None:

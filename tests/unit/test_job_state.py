@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from hpcelastic.agent import messages
-from hpcelastic.agent.job_state import Action, JobState, Phase, Record, Send
+from hpcelastic.agent.job_state import SIGNAL_SETTLE_S, Action, JobState, Phase, Record, Send
 from hpcelastic.reasons import Reason, RestartCause
 
 
@@ -157,8 +157,53 @@ def test_a_signal_to_one_agent_is_that_nodes_loss_but_not_suspect() -> None:
     assert sends(acts, "finish")[0].bad_nodes == ("n2",)
 
 
+def sigterm_failure(node_rank: int) -> dict[str, Any]:
+    return {**failure(node_rank, 1000.0, "killed by SIGTERM"), "signal": "SIGTERM"}
+
+
+def test_a_signal_reaching_the_nodes_apart_is_still_the_steps_stop() -> None:
+    """CI: node 1's agent left on Slurm's TERM while node 0's had not got it yet; node 0 stopped its
+    (TERM-killed) workers for the coordinator, then left too. That is the step's stop, not node 1 lost."""
+    clock = Clock()
+    st = make(2, clock=clock)
+    join_all(st)
+    assert st.left(1, "agent received SIGTERM", signalled=True) == []  # held: the others may follow
+    acts = st.worker_failed(0, 0, [sigterm_failure(0)])
+    acts += st.workers_stopped(0, 0, [])
+    clock.t += 0.5
+    acts += st.tick() + st.left(0, "agent received SIGTERM", signalled=True)
+    assert not events(acts, "root_cause") and not events(acts, "restarting")
+    assert len(events(acts, "node_lost")) == 2
+    assert st.result is not None and st.result.bad_nodes == ()
+
+
+def test_a_signal_to_one_agent_counts_as_its_loss_once_the_others_did_not_follow() -> None:
+    clock = Clock()
+    st = make(3, min_nodes=2, clock=clock)
+    join_all(st)
+    st.left(1, "agent received SIGTERM", signalled=True)
+    clock.t += SIGNAL_SETTLE_S - 0.1
+    assert st.tick() == [] and st.phase is Phase.RUNNING
+    clock.t += 0.1
+    acts = st.tick()
+    assert [e["node_rank"] for e in events(acts, "node_lost")] == [1]
+    assert sorted(sends(acts, "stop")) == [0, 2]
+    acts = stop_all(st, [0, 2], 0)
+    assert events(acts, "root_cause")[0]["error"] == "node lost: agent received SIGTERM"
+    assert sorted(sends(acts, "round")) == [0, 2]
+
+
+def test_a_worker_that_failed_on_its_own_is_still_the_root_cause_under_a_signal() -> None:
+    st = make(2)
+    join_all(st)
+    st.worker_failed(0, 0, [failure(0, 999.0)])
+    acts = st.left(1, "agent received SIGTERM", signalled=True)
+    acts += st.left(0, "agent received SIGTERM", signalled=True)
+    assert events(acts, "root_cause")[0]["error"] == "boom"
+
+
 def test_leave_carries_signalled_over_the_wire() -> None:
-    msg = messages.Leave("agent received SIGTERM", signalled=True)
+    msg = messages.Leave("agent received SIGTERM", signalled=True, signalled_at=1000.5)
     assert messages.Leave.from_wire(msg.wire()) == msg
 
 

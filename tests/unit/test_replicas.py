@@ -125,6 +125,25 @@ def test_group_that_lost_a_node_is_left_out_and_the_others_go_on() -> None:
     assert st.workers_done(1, r[1].round) and st.result is not None and st.result.reason is Reason.SUCCEEDED
 
 
+def test_a_stop_signal_reaching_the_groups_apart_neither_drops_nor_restarts_a_group() -> None:
+    """Slurm's TERM reaches group 1's nodes first: held, not a group that lost its nodes; once every
+    agent left, one job-wide stop with no root cause."""
+    st = make()
+    r = start(st)
+    out = st.left(2, "agent received SIGTERM", signalled=True) + st.left(
+        3, "agent received SIGTERM", signalled=True
+    )
+    assert out == [] and st.phase is Phase.RUNNING
+    out += st.workers_stopped(0, r[0].round, [])
+    out += st.left(1, "agent received SIGTERM", signalled=True) + st.left(
+        0, "agent received SIGTERM", signalled=True
+    )
+    for name in ("replica_group_dropped", "replica_group_restarting", "root_cause"):
+        assert not named(out, name), name
+    assert len(named(out, "node_lost")) == 4
+    assert st.result is not None and st.result.reason is Reason.COORDINATOR_LOST and st.result.bad_nodes == ()
+
+
 def test_below_min_groups_the_job_wide_path_applies() -> None:
     st = make(min_groups=2, max_restarts=1)
     r = start(st)
