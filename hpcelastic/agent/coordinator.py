@@ -342,15 +342,7 @@ class Coordinator:
     def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
         rank = _rank(conn)
         self._drop(conn, None)
-        self._apply(
-            self.state.left(
-                rank,
-                msg.reason,
-                unhealthy=msg.unhealthy,
-                signalled=msg.signalled,
-                signalled_at=msg.signalled_at,
-            )
-        )
+        self._apply(self.state.left(rank, msg.reason, unhealthy=msg.unhealthy, signalled_at=msg.signalled_at))
 
     # ---- output -----------------------------------------------------------------------------
     def _apply(self, actions: list[Action]) -> None:

@@ -108,7 +108,8 @@ class Member:
 
 @dataclass(frozen=True)
 class LostNode:
-    """A node of the current round whose agent went away (``signalled``: a signal told it to stop)."""
+    """A node of the current round whose agent went away at ``ts`` (``signalled``: a signal told it to
+    stop)."""
 
     node_rank: int
     node: str
@@ -203,20 +204,14 @@ class JobState:
         return [f"{i} ({h})" for i, h in enumerate(self.hosts) if i not in self.members]
 
     def left(
-        self,
-        node_rank: int,
-        reason: str,
-        *,
-        unhealthy: bool = False,
-        signalled: bool = False,
-        signalled_at: float | None = None,
+        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled_at: float | None = None
     ) -> list[Action]:
         """An agent said it leaves: a bad node at once; one a signal stopped (at ``signalled_at``, its
         clock) is held for SIGNAL_SETTLE_S, and once every joined agent left that way, they all count
         together as the step's stop."""
-        if unhealthy or not signalled or node_rank not in self.members or self.phase is Phase.FINISHED:
-            return self.lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled)
-        self.leaving[node_rank] = (reason, self._now() if signalled_at is None else signalled_at)
+        if unhealthy or signalled_at is None or node_rank not in self.members or self.phase is Phase.FINISHED:
+            return self.lost(node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        self.leaving[node_rank] = (reason, signalled_at)
         if self.leaving_until is None:
             self.leaving_until = self._now() + SIGNAL_SETTLE_S
         if set(self.leaving) >= set(self.members):
@@ -228,31 +223,23 @@ class JobState:
         leaving, self.leaving, self.leaving_until = self.leaving, {}, None
         actions: list[Action] = []
         for n, (reason, ts) in sorted(leaving.items()):
-            actions += self.lost(n, reason, signalled=True, left_at=ts)
+            actions += self.lost(n, reason, signalled_at=ts)
         return actions
 
     def lost(
-        self,
-        node_rank: int,
-        reason: str,
-        *,
-        unhealthy: bool = False,
-        signalled: bool = False,
-        left_at: float | None = None,
+        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled_at: float | None = None
     ) -> list[Action]:
-        """An agent's connection closed or went silent, or it left (bad node, or stopped by a signal) at
-        ``left_at`` (default: now)."""
+        """An agent's connection closed or went silent, or it left (a bad node, or stopped by a signal
+        delivered at ``signalled_at``)."""
         member = self.members.pop(node_rank, None)
         if member is None or self.phase is Phase.FINISHED:
             return []
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled=signalled)
+        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
             return actions
-        ts = self._now() if left_at is None else left_at
-        lost = LostNode(node_rank, member.host, reason, ts, self.round, signalled)
-        self.lost_in_round.append(lost)
+        self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, self.round, signalled_at))
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.NODE_LOST)
         return actions + self._check_stopped()
@@ -551,14 +538,21 @@ class JobState:
             actions.append(Record(events.worker_failed(f, exit_ts=f.get("ts"))))
         return actions
 
+    def _lost_node(
+        self, node_rank: int, host: str, reason: str, round_: int, signalled_at: float | None
+    ) -> LostNode:
+        """A lost round node: gone now, or when the signal that stopped its agent came."""
+        ts = self._now() if signalled_at is None else signalled_at
+        return LostNode(node_rank, host, reason, ts, round_, signalled_at is not None)
+
     def _departed(
-        self, node_rank: int, member: Member, reason: str, *, unhealthy: bool, signalled: bool
+        self, node_rank: int, member: Member, reason: str, *, unhealthy: bool, signalled_at: float | None
     ) -> list[Action]:
         """Book an agent that left: an unhealthy node is bad; one that vanished is suspect for the next
         attempt; one a signal stopped (Slurm ending the step) is neither."""
         if unhealthy:
             self.bad_nodes.append(member.host)
-        if not signalled:
+        if signalled_at is None:
             self.lost_hosts.append(member.host)
         self.departed.add(node_rank)
         return [Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))]

@@ -343,7 +343,7 @@ class NodeLoop:
         name = signal.Signals(signum).name
         self.rt.say(f"{name}: stopping this node's workers")
         self.rt.group.stop(min(RESTART_KILL_GRACE, self.rt.spec.grace_period))
-        self.rt.client.send(messages.Leave(f"agent received {name}", signalled=True, signalled_at=ts))
+        self.rt.client.send(messages.Leave(f"agent received {name}", signalled_at=ts))
         self.state = State.DONE
         self.exit_code = 128 + signum
 

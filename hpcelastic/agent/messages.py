@@ -184,25 +184,18 @@ class StepReport(Message):
 
 @dataclass(frozen=True)
 class Leave(Message):
-    """The agent leaves the job: its node is unhealthy, or it was told to stop by a signal (``signalled``,
-    delivered at ``signalled_at``: Slurm ending the step on a cancel, preemption or time limit sends every
-    agent SIGTERM)."""
+    """The agent leaves the job: its node is unhealthy, or a signal delivered at ``signalled_at`` told
+    it to stop (Slurm ending the step on a cancel, preemption or time limit sends every agent SIGTERM)."""
 
     TAG = "leave"
     reason: str
     unhealthy: bool = False
-    signalled: bool = False
     signalled_at: float | None = None
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Leave:
         at = d.get("signalled_at")
-        return cls(
-            str(d.get("reason", "left")),
-            bool(d.get("unhealthy")),
-            bool(d.get("signalled")),
-            None if at is None else float(at),
-        )
+        return cls(str(d.get("reason", "left")), bool(d.get("unhealthy")), None if at is None else float(at))
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from hpcelastic.agent.job_state import (
     STACKS_TIMEOUT,
     Action,
     JobState,
-    LostNode,
     Phase,
     Record,
     Say,
@@ -306,21 +305,14 @@ class ReplicaJobState(JobState):
         return actions + self._check_stopped()
 
     def lost(
-        self,
-        node_rank: int,
-        reason: str,
-        *,
-        unhealthy: bool = False,
-        signalled: bool = False,
-        left_at: float | None = None,
+        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled_at: float | None = None
     ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
-            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled=signalled, left_at=left_at)
+            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         member = self.members.pop(node_rank)
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled=signalled)
-        ts = self._now() if left_at is None else left_at
-        self.lost_in_round.append(LostNode(node_rank, member.host, reason, ts, g.round, signalled))
+        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)
         if g.phase is GroupPhase.RUNNING:

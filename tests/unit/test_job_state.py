@@ -140,7 +140,7 @@ def test_a_signal_to_every_agent_is_no_failure_and_no_node_is_suspect() -> None:
     join_all(st)
     acts: list[Action] = []
     for n in (1, 2, 0):
-        acts += st.lost(n, "agent received SIGTERM", signalled=True)
+        acts += st.lost(n, "agent received SIGTERM", signalled_at=1000.0)
     assert len(events(acts, "node_lost")) == 3 and not events(acts, "root_cause")
     assert st.result is not None and st.result.bad_nodes == ()
 
@@ -148,7 +148,7 @@ def test_a_signal_to_every_agent_is_no_failure_and_no_node_is_suspect() -> None:
 def test_a_signal_to_one_agent_is_that_nodes_loss_but_not_suspect() -> None:
     st = make(3, min_nodes=2)
     join_all(st)
-    st.lost(1, "agent received SIGTERM", signalled=True)
+    st.lost(1, "agent received SIGTERM", signalled_at=1000.0)
     acts = stop_all(st, [0, 2], 0)
     assert events(acts, "root_cause")[0]["error"] == "node lost: agent received SIGTERM"
     assert sorted(sends(acts, "round")) == [0, 2]
@@ -167,11 +167,11 @@ def test_a_signal_reaching_the_nodes_apart_is_still_the_steps_stop() -> None:
     clock = Clock()
     st = make(2, clock=clock)
     join_all(st)
-    assert st.left(1, "agent received SIGTERM", signalled=True) == []  # held: the others may follow
+    assert st.left(1, "agent received SIGTERM", signalled_at=1000.0) == []  # held: the others may follow
     acts = st.worker_failed(0, 0, [sigterm_failure(0)])
     acts += st.workers_stopped(0, 0, [])
     clock.t += 0.5
-    acts += st.tick() + st.left(0, "agent received SIGTERM", signalled=True)
+    acts += st.tick() + st.left(0, "agent received SIGTERM", signalled_at=1000.5)
     assert not events(acts, "root_cause") and not events(acts, "restarting")
     assert len(events(acts, "node_lost")) == 2
     assert st.result is not None and st.result.bad_nodes == ()
@@ -181,7 +181,7 @@ def test_a_signal_to_one_agent_counts_as_its_loss_once_the_others_did_not_follow
     clock = Clock()
     st = make(3, min_nodes=2, clock=clock)
     join_all(st)
-    st.left(1, "agent received SIGTERM", signalled=True)
+    st.left(1, "agent received SIGTERM", signalled_at=1000.0)
     clock.t += SIGNAL_SETTLE_S - 0.1
     assert st.tick() == [] and st.phase is Phase.RUNNING
     clock.t += 0.1
@@ -197,13 +197,13 @@ def test_a_worker_that_failed_on_its_own_is_still_the_root_cause_under_a_signal(
     st = make(2)
     join_all(st)
     st.worker_failed(0, 0, [failure(0, 999.0)])
-    acts = st.left(1, "agent received SIGTERM", signalled=True)
-    acts += st.left(0, "agent received SIGTERM", signalled=True)
+    acts = st.left(1, "agent received SIGTERM", signalled_at=1000.0)
+    acts += st.left(0, "agent received SIGTERM", signalled_at=1000.0)
     assert events(acts, "root_cause")[0]["error"] == "boom"
 
 
 def test_leave_carries_signalled_over_the_wire() -> None:
-    msg = messages.Leave("agent received SIGTERM", signalled=True, signalled_at=1000.5)
+    msg = messages.Leave("agent received SIGTERM", signalled_at=1000.5)
     assert messages.Leave.from_wire(msg.wire()) == msg
 
 

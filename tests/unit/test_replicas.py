@@ -130,13 +130,13 @@ def test_a_stop_signal_reaching_the_groups_apart_neither_drops_nor_restarts_a_gr
     agent left, one job-wide stop with no root cause."""
     st = make()
     r = start(st)
-    out = st.left(2, "agent received SIGTERM", signalled=True) + st.left(
-        3, "agent received SIGTERM", signalled=True
+    out = st.left(2, "agent received SIGTERM", signalled_at=1000.0) + st.left(
+        3, "agent received SIGTERM", signalled_at=1000.0
     )
     assert out == [] and st.phase is Phase.RUNNING
     out += st.workers_stopped(0, r[0].round, [])
-    out += st.left(1, "agent received SIGTERM", signalled=True) + st.left(
-        0, "agent received SIGTERM", signalled=True
+    out += st.left(1, "agent received SIGTERM", signalled_at=1000.0) + st.left(
+        0, "agent received SIGTERM", signalled_at=1000.0
     )
     for name in ("replica_group_dropped", "replica_group_restarting", "root_cause"):
         assert not named(out, name), name
