@@ -26,7 +26,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -44,23 +43,28 @@ ENV_STOP_SIGNAL = "HPCELASTIC_STOP_SIGNAL"
 DEFAULT_STOP_SIGNAL = "USR2"
 DEFAULT_CHECKPOINT_SUBDIR = "checkpoints"
 
-#: How long a rank that reports steps waits for the job's stop step after the signal before it stops anyway.
-STOP_STEP_WAIT_S = 10.0
-
-_stop_requested = threading.Event()
+#: Set by the stop signal's handler alone: a plain assignment, no lock (a handler that took one could run
+#: while the main thread holds it, and that rank would freeze with every other rank waiting for it).
+_stop_signalled = False
+#: Set by the main thread when it sees the stop file.
+_stop_file_seen = False
 _handler_signal: int | None = None
 _heartbeat_sock: socket.socket | None = None
 _resume_cache: list[str | None] = []
 _last_step: int | None = None
-_stop_pending_since: float | None = None
 
 
 def _on_stop_signal(signum: int, frame: FrameType | None) -> None:
-    _stop_requested.set()
+    global _stop_signalled
+    _stop_signalled = True
 
 
 def _install_stop_handler() -> None:
-    """Catch the stop signal with a flag-setting handler, once, and only if nobody else handles it."""
+    """Catch the stop signal with a flag-setting handler, once, and only if nobody else handles it.
+
+    The agent starts its workers with the stop signal ignored (a script without a handler is not killed
+    by it): ignored counts as unhandled here.
+    """
     global _handler_signal
     if _handler_signal is not None:
         return
@@ -69,7 +73,7 @@ def _install_stop_handler() -> None:
     except UserError:
         return
     try:
-        if signal.getsignal(sig) is signal.SIG_DFL:
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN):
             signal.signal(sig, _on_stop_signal)
             _handler_signal = int(sig)
     except ValueError:  # not the main thread: the stop file still works
@@ -184,27 +188,25 @@ def should_stop() -> bool:
     """True once this rank should save, publish and exit; the job comes back as a new attempt.
 
     After a preemption or time-limit signal the coordinator fixes one stop step for the whole job
-    (the highest step any rank reported + 1 + about one second of steps) and every rank that calls
-    :func:`heartbeat` turns true once its own step reaches it: all ranks stop after the same step.
-    A rank that never called :func:`heartbeat` turns true as soon as the signal or the stop file
-    reaches it; so does one whose stop step has not come :data:`STOP_STEP_WAIT_S` after the signal.
+    (the highest step any rank reported + 1 + about one second of recent steps) and every rank that calls
+    :func:`heartbeat` turns true once its own step reaches it: all ranks stop after the same step. Such a
+    rank waits for that step however long it takes (never decides on its own clock); one that never called
+    :func:`heartbeat` turns true as soon as the signal or the stop file reaches it.
     """
-    global _stop_pending_since
+    global _stop_file_seen
     _install_stop_handler()
     stop_file = os.environ.get(ENV_STOP_FILE)
-    if not _stop_requested.is_set():
+    if not (_stop_signalled or _stop_file_seen):
         if not (stop_file and os.path.exists(stop_file)):
             return False
-        _stop_requested.set()
+        _stop_file_seen = True
     if _last_step is None or not stop_file:
         return True
-    if _stop_pending_since is None:
-        _stop_pending_since = time.monotonic()
     try:
         with open(stop_file) as f:
             text = f.read().strip()
-    except OSError:  # not written yet: wait for the stop step, at most STOP_STEP_WAIT_S
-        return time.monotonic() - _stop_pending_since >= STOP_STEP_WAIT_S
+    except OSError:  # not written yet: the coordinator's stop step is on its way
+        return False
     if not (text.isascii() and text.isdigit()):
         return True  # the stop file names no step: stop now
     return _last_step >= int(text)

@@ -10,6 +10,7 @@ one step plus :data:`STOP_SLACK_S` seconds of the fastest node's rate.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable
 
@@ -17,32 +18,46 @@ from collections.abc import Iterable
 STOP_SLACK_S = 1.0
 #: How long the coordinator waits for every node's report before it fixes the step from those it has.
 REPORT_TIMEOUT_S = 2.0
+#: How many of the latest steps the rate is measured over (not the round: its checkpoint pauses would
+#: slow it down, and a stop step fixed too early is one some rank has already passed).
+RATE_WINDOW = 16
 
 
 class StepRate:
-    """The highest step of one node's workers in the current round, and its steps per second."""
+    """The highest step of one node's workers in the current round, and its recent steps per second."""
 
     def __init__(self) -> None:
         self.round = -1
         self.step: int | None = None
-        self._first: tuple[int, float] | None = None
-        self._last_ts = 0.0
+        self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_WINDOW + 1)
 
     def beat(self, round_: int, step: int, ts: float) -> None:
         """A worker of ``round_`` reached ``step`` at ``ts`` (seconds)."""
         if round_ != self.round:
-            self.round, self.step, self._first = round_, None, None
-        if self._first is None:
-            self._first = (step, ts)
+            self.round, self.step = round_, None
+            self._recent.clear()
         if self.step is None or step > self.step:
-            self.step, self._last_ts = step, ts
+            self.step = step
+            self._recent.append((step, ts))
 
     @property
     def rate(self) -> float:
-        """Steps per second since the round's first heartbeat (0 before two distinct steps)."""
-        if self._first is None or self.step is None or self._last_ts <= self._first[1]:
-            return 0.0
-        return (self.step - self._first[0]) / (self._last_ts - self._first[1])
+        """Steps per second over the last :data:`RATE_WINDOW` new steps (0 before two distinct steps)."""
+        return recent_rate(list(self._recent))
+
+
+def recent_rate(beats: list[tuple[int, float]]) -> float:
+    """Steps per second from ``(step, ts)`` points of increasing step: the median time per step between
+    neighbours, so a checkpoint pause among them does not slow the rate down (0 without two points)."""
+    per_step = sorted((t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(beats, beats[1:], strict=False))
+    if not per_step:
+        return 0.0
+    mid = len(per_step) // 2
+    median = per_step[mid] if len(per_step) % 2 else (per_step[mid - 1] + per_step[mid]) / 2
+    if median > 0:
+        return 1.0 / median
+    span = beats[-1][1] - beats[0][1]
+    return (beats[-1][0] - beats[0][0]) / span if span > 0 else 0.0
 
 
 def stop_step(reports: Iterable[tuple[int | None, float]], slack_s: float = STOP_SLACK_S) -> int | None:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -72,7 +78,7 @@ def test_worker_with_heartbeats_stops_exactly_at_the_stop_step(fresh_worker) -> 
     worker, stop = fresh_worker
     worker.heartbeat(5)
     assert not worker.should_stop()
-    worker._stop_requested.set()  # the signal arrived; the stop step has not
+    worker._on_stop_signal(12, None)  # the signal arrived; the stop step has not
     assert not worker.should_stop()
     stop.write_text("7\n")
     assert not worker.should_stop()
@@ -90,10 +96,85 @@ def test_worker_stops_at_once_without_heartbeats_or_without_a_step(fresh_worker)
     assert worker.should_stop()  # the file names no step
 
 
-def test_worker_gives_up_waiting_for_the_stop_step(fresh_worker, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    worker, _stop = fresh_worker
+def test_a_signalled_rank_waits_for_the_coordinators_stop_step_not_its_own_clock(
+    fresh_worker, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    worker, stop = fresh_worker
     worker.heartbeat(1)
-    worker._stop_requested.set()
+    worker._on_stop_signal(12, None)
     assert not worker.should_stop()
-    monkeypatch.setattr(worker, "STOP_STEP_WAIT_S", 0.0)
+    later = time.monotonic() + 3600.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)  # an hour without the stop file
+    assert not worker.should_stop()
+    stop.write_text("2\n")
+    assert not worker.should_stop()
+    worker.heartbeat(2)
     assert worker.should_stop()
+
+
+def test_the_rate_is_over_recent_steps_not_the_rounds_checkpoint_pauses() -> None:
+    """10 steps/s with a 120 s save every 1,000 steps: the round's average is 4.55/s, the rate 10/s."""
+    r = StepRate()
+    ts = 0.0
+    for step in range(1, 3001):
+        ts += 0.1 + (120.0 if step % 1000 == 1 and step > 1 else 0.0)
+        r.beat(0, step, ts)
+        if step > 2:
+            assert 9.5 <= r.rate <= 10.5, (step, r.rate)
+    assert stop_step([(r.step, r.rate)]) == 3000 + 1 + 10
+
+
+def test_the_stop_signal_handler_takes_no_lock(fresh_worker) -> None:  # type: ignore[no-untyped-def]
+    """Whatever the main thread holds when the signal comes, the handler cannot wait for it: it calls
+    nothing (threading.Event.set() took the event's lock, held by the main thread inside set())."""
+    worker, _stop = fresh_worker
+    try:
+        worker.should_stop()  # installs the handler
+        handler = signal.getsignal(signal.SIGUSR2)
+        assert callable(handler)
+        calls: list[str] = []
+
+        def profile(frame: FrameType, event: str, arg: object) -> None:
+            if (
+                event in ("call", "c_call")
+                and frame.f_code.co_name != "test_the_stop_signal_handler_takes_no_lock"
+            ):
+                where = f"{frame.f_code.co_filename}:{frame.f_code.co_name}"
+                calls.append(f"{event} {getattr(arg, '__qualname__', '')} {where}")
+
+        sys.setprofile(profile)
+        handler(signal.SIGUSR2, None)
+        sys.setprofile(None)
+        assert [c for c in calls if "threading" in c or "acquire" in c or "__enter__" in c] == [], calls
+        assert worker.should_stop()
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+STORM = """
+import os, signal, sys, threading
+from hpcelastic import worker
+done = False
+def storm():
+    while not done:
+        os.kill(os.getpid(), signal.SIGUSR2)
+threading.Thread(target=storm, daemon=True).start()
+for _ in range(int(sys.argv[1])):
+    worker._stop_signalled = worker._stop_file_seen = False
+    assert worker.should_stop()
+done = True
+print("finished", flush=True)
+"""
+
+
+def test_a_stop_signal_inside_the_stop_path_cannot_freeze_the_rank(tmp_path: Path) -> None:
+    """Signals fired without pause while the main thread goes through should_stop's path that records the
+    stop file, again and again: the handler takes no lock, so the loop always finishes."""
+    stop = tmp_path / "stop"
+    stop.write_text("")
+    env = dict(os.environ, HPCELASTIC_STOP_FILE=str(stop), HPCELASTIC_STOP_SIGNAL="USR2")
+    proc = subprocess.run(
+        [sys.executable, "-c", STORM, "30000"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
