@@ -2,19 +2,19 @@
 
 ``<run>/handoff.json`` is rewritten atomically under ``RunDir.locked("handoff")``, so a crash at any
 moment leaves the old record or the new one. A copy of the checkpoint object goes to
-``<checkpoint_dir>/hpcelastic-latest.json`` for scripts that do not use Python. A record that is
+``<checkpoint_dir>/hpcelastic-latest.json`` for scripts that do not use Python, under the same lock;
+the step of either never goes back. A record that is
 damaged anyway (disk trouble, a hand edit) is rebuilt from that file and the event log; reading it
 never raises.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -162,15 +162,6 @@ def _write(rd: RunDir, rec: HandoffRecord) -> None:
     write_json_atomic(rd.handoff_path, rec.to_json())
 
 
-@contextlib.contextmanager
-def _update(rd: RunDir) -> Iterator[HandoffRecord]:
-    """Read-modify-write the record under the handoff lock; a corrupt record is repaired first."""
-    with rd.locked("handoff"):
-        rec, _ = _read(rd, repair=True)
-        yield rec
-        _write(rd, rec)
-
-
 def load(run_dir: RunDir | str | os.PathLike[str]) -> HandoffRecord:
     """The current record: fresh when missing; rebuilt (with a ``handoff_corrupt`` event) when damaged."""
     rd = _rundir(run_dir)
@@ -249,15 +240,21 @@ def publish(
 ) -> dict[str, Any]:
     """Mark the checkpoint at ``path`` complete: it becomes what the next start resumes from.
 
-    Raises :class:`UserError` (and logs ``checkpoint_rejected``) when ``path`` does not exist or
-    the checkpoint dir cannot be written; the previous record then stays in force.
+    Returns the checkpoint in force afterwards. A step older than the one published already (a
+    leftover worker of a lost round, another replica group's rank 0) is ignored: the newer record
+    stays, a ``checkpoint_rejected`` event and a warning say so. Raises :class:`UserError` (and
+    logs ``checkpoint_rejected``) when ``path`` does not exist or the checkpoint dir cannot be
+    written; the previous record then stays in force. The record and ``hpcelastic-latest.json``
+    are written under one lock, so the two never disagree about which step is newest.
     """
     rd = _rundir(run_dir)
     p = Path(os.path.abspath(path))
+
+    def reject(why: str) -> None:
+        rd.record(events.checkpoint_rejected(path=str(p), step=step, attempt=attempt, rank=rank, why=why))
+
     if not p.exists():
-        rd.record(
-            events.checkpoint_rejected(path=str(p), step=step, attempt=attempt, rank=rank, why="missing")
-        )
+        reject("missing")
         raise UserError(
             f"cannot publish checkpoint {p}: it does not exist; save it completely, then publish it"
         )
@@ -269,20 +266,38 @@ def publish(
         "published_at": time.time(),
     }
     ckpt_dir = str(Path(os.path.abspath(checkpoint_dir)))
-    try:
-        write_latest_file(ckpt_dir, ckpt)
-    except (UserError, OSError) as e:
-        rd.record(events.checkpoint_rejected(path=str(p), step=step, attempt=attempt, rank=rank, why=str(e)))
-        raise UserError(str(e)) from None
-    with _update(rd) as rec:
+    with rd.locked("handoff"):
+        rec, _ = _read(rd, repair=True)
+        newer = newer_checkpoint(rec.checkpoint, int(step))
+        if newer is not None:
+            why = f"older than step {newer['step']} published already ({newer['path']})"
+            reject(why)
+            _warn(f"checkpoint {p} of step {step} not published: {why}")
+            return newer
+        try:
+            write_latest_file(ckpt_dir, ckpt)
+        except (UserError, OSError) as e:
+            reject(str(e))
+            raise UserError(str(e)) from None
         rec.checkpoint = ckpt
         rec.checkpoint_dir = ckpt_dir
+        _write(rd, rec)
     rd.record(
         events.checkpoint_published(
             path=str(p), step=int(step), attempt=int(attempt), rank=int(rank), checkpoint_dir=ckpt_dir
         )
     )
     return ckpt
+
+
+def newer_checkpoint(current: dict[str, Any] | None, step: int) -> dict[str, Any] | None:
+    """``current`` when it is a still existing checkpoint of a later step than ``step``, else None.
+
+    A vanished checkpoint does not count: the run resumed from an older one and publishes from there.
+    """
+    if current is None or not isinstance(current.get("step"), int) or current["step"] <= step:
+        return None
+    return current if Path(current["path"]).exists() else None
 
 
 def _published_paths_newest_first(rd: RunDir) -> list[str]:

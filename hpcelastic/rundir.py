@@ -232,27 +232,12 @@ class RunDir:
         once when the holder ran on this host, else after :data:`LOCK_STALE_S` seconds.
         """
         path = self.path / f".{name}.excl"
-        token = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}\n"
-        delay = 0.001
-        while True:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                _break_if_stale(path)
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-                continue
-            try:
-                os.write(fd, token.encode())
-            finally:
-                os.close(fd)
-            break
+        token = _lock_token()
+        _acquire(path, token)
         try:
             yield
         finally:
-            with contextlib.suppress(OSError):
-                if path.read_text() == token:
-                    path.unlink()
+            _release(path, token)
 
     def claim_once(self, key: str) -> bool:
         """Return True for exactly one caller per ``key`` across all processes and nodes.
@@ -272,28 +257,81 @@ class RunDir:
         return True
 
 
-def _break_if_stale(path: Path) -> None:
-    """Remove the lock file ``path`` when its holder is dead (see :meth:`RunDir.locked`)."""
+def _lock_token() -> str:
+    return f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}\n"
+
+
+def _try_create(path: Path, token: str) -> bool:
+    """Create the lock file ``path`` holding ``token``; False when it exists already.
+
+    The token is written to a private file first and linked in place (``link`` fails on an existing
+    name, on NFS too), so a lock file is never seen empty, even when its creator is killed.
+    """
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return True
+
+
+def _acquire(path: Path, token: str) -> None:
+    """Wait until ``path`` is created by this caller, breaking it when its holder is dead."""
+    delay = 0.001
+    while not _try_create(path, token):
+        _break_if_stale(path)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _release(path: Path, token: str) -> None:
+    with contextlib.suppress(OSError):
+        if path.read_text() == token:
+            path.unlink()
+
+
+def _is_stale(path: Path) -> bool:
+    """True when the lock file ``path`` was left by a dead holder (see :meth:`RunDir.locked`)."""
     try:
         text = path.read_text()
         age = time.time() - path.stat().st_mtime
     except OSError:
-        return
+        return False
     host, _, rest = text.partition(" ")
     pid = rest.split(" ", 1)[0]
     dead_here = host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
-    if not (dead_here or age > LOCK_STALE_S):
+    return dead_here or age > LOCK_STALE_S
+
+
+def _break_if_stale(path: Path) -> None:
+    """Remove the lock file ``path`` when its holder is dead, never a live holder's lock.
+
+    Breakers take turns under a second lock, ``<path>.break`` (itself broken the same way when a
+    breaker died holding it), and judge the lock again under it: only a breaker removes a dead
+    holder's lock, so the file judged stale there is the file removed, not a fresh lock that
+    replaced it after another breaker's removal.
+    """
+    if not _is_stale(path):
         return
-    # Rename first: of several processes breaking the same lock, exactly one gets it.
-    stale = path.with_name(f"{path.name}.stale-{os.getpid()}-{secrets.token_hex(4)}")
-    with contextlib.suppress(OSError):
-        os.rename(path, stale)
-        if stale.read_text() == text:
-            stale.unlink()
-        else:  # it was a fresh lock after all: put it back unless someone holds the lock now
-            with contextlib.suppress(OSError):
-                os.link(stale, path)
-            stale.unlink()
+    breaker = path.with_name(path.name + ".break")
+    token = _lock_token()
+    if not _try_create(breaker, token):
+        _break_if_stale(breaker)
+        return
+    try:
+        if _is_stale(path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    finally:
+        _release(breaker, token)
 
 
 def _alive(pid: int) -> bool:

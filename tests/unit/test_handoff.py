@@ -82,6 +82,59 @@ def test_publish_of_missing_path_is_rejected_and_keeps_old_record(rd: RunDir, tm
     assert json.loads((ckdir / handoff.LATEST_FILE).read_text())["step"] == 1
 
 
+def test_an_older_step_after_a_newer_one_is_ignored(rd: RunDir, tmp_path: Path) -> None:
+    """A leftover worker of a lost round publishes step 3 after step 5: the record stays at step 5."""
+    ckdir = tmp_path / "ckpt"
+    newer, older = _save(ckdir, "step-5.pt"), _save(ckdir, "step-3.pt")
+    handoff.publish(rd, ckdir, newer, 5, 1, 0)
+    in_force = handoff.publish(rd, ckdir, older, 3, 0, 0)
+    assert in_force["path"] == str(newer) and in_force["step"] == 5
+    assert handoff.load(rd).checkpoint["step"] == 5
+    assert json.loads((ckdir / handoff.LATEST_FILE).read_text())["step"] == 5
+    rejected = rd.events()[-1]
+    assert rejected["event"] == "checkpoint_rejected" and rejected["step"] == 3
+    assert "older than step 5" in rejected["why"]
+    assert handoff.resume_path(rd) == str(newer)
+
+
+def test_an_older_step_is_accepted_once_the_newer_checkpoint_is_gone(rd: RunDir, tmp_path: Path) -> None:
+    """The run resumed from an older checkpoint because the newest was deleted: it publishes from there."""
+    ckdir = tmp_path / "ckpt"
+    newer, older = _save(ckdir, "step-5.pt"), _save(ckdir, "step-3.pt")
+    handoff.publish(rd, ckdir, newer, 5, 0, 0)
+    newer.unlink()
+    handoff.publish(rd, ckdir, older, 3, 1, 0)
+    assert handoff.load(rd).checkpoint["step"] == 3
+
+
+_RACER = r"""
+import random, sys
+from pathlib import Path
+from hpcelastic import handoff
+run, ckdir, first = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+steps = list(range(first, 40, 4))
+random.Random(first).shuffle(steps)
+for step in steps:
+    handoff.publish(run, ckdir, ckdir / "c.pt", step, 0, first)
+"""
+
+
+def test_concurrent_publishers_leave_the_newest_step(rd: RunDir, tmp_path: Path) -> None:
+    """Four processes publish steps 0-39 in shuffled order at once: record and latest file end at 39."""
+    ckdir = tmp_path / "ckpt"
+    _save(ckdir, "c.pt")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RACER, str(rd.path), str(ckdir), str(first)])
+        for first in range(4)
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0, 0]
+    assert handoff.load(rd).checkpoint["step"] == 39
+    assert json.loads((ckdir / handoff.LATEST_FILE).read_text())["step"] == 39
+    accepted = {e["step"] for e in rd.events().of(events.CHECKPOINT_PUBLISHED)}
+    rejected = {e["step"] for e in rd.events().of(events.CHECKPOINT_REJECTED)}
+    assert accepted | rejected == set(range(40)) and not accepted & rejected
+
+
 def test_publish_into_unusable_checkpoint_dir_is_rejected(rd: RunDir, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -120,3 +120,48 @@ def test_begin_attempt_needs_no_flock(tmp_path: Path, monkeypatch: pytest.Monkey
     rd = RunDir.create(tmp_path / "run")
     assert handoff.begin_attempt(rd, "11", 0) == 0
     assert handoff.begin_attempt(rd, "11", 1) == 1
+
+
+SLOW_STEP_S = 0.3
+
+
+def _hold_lock(run: str, hold_s: float, slow: bool) -> None:
+    """Take the handoff lock, note this holder in ``holders/`` and a violation when another is there."""
+    if slow:  # a process descheduled before each of its file operations
+        for name in ("open", "stat", "kill", "rename", "link", "unlink"):
+            real = getattr(os, name)
+            setattr(os, name, lambda *a, _real=real, **k: (time.sleep(SLOW_STEP_S), _real(*a, **k))[1])
+    rd = RunDir(run)
+    holders = rd.path / "holders"
+    with rd.locked("handoff"):
+        mine = holders / str(os.getpid())
+        mine.touch()
+        if len(list(holders.iterdir())) > 1:
+            (rd.path / f"violation-{os.getpid()}").touch()
+        time.sleep(hold_s)
+        mine.unlink()
+
+
+def test_breaking_a_stale_lock_never_leaves_two_holders(tmp_path: Path) -> None:
+    """A slow process that judged a dead holder's lock stale acts only after a fast one broke it and
+    holds the lock: it must not take that fresh lock away, so a third process never gets in beside it."""
+    import multiprocessing
+
+    rd = RunDir.create(tmp_path / "run")
+    (rd.path / "holders").mkdir()
+    (rd.path / ".handoff.excl").write_text(f"{socket.gethostname()} {_dead_pid()} abc\n")
+    ctx = multiprocessing.get_context("fork")
+    slow = ctx.Process(target=_hold_lock, args=(str(rd.path), 0.0, True))
+    slow.start()
+    time.sleep(1.5 * SLOW_STEP_S)  # the slow one has read the dead holder's lock
+    fast = [
+        ctx.Process(target=_hold_lock, args=(str(rd.path), hold, False)) for hold in (6 * SLOW_STEP_S, 0.0)
+    ]
+    for p in fast:
+        p.start()
+        time.sleep(0.05)
+    for p in (slow, *fast):
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert not list(rd.path.glob("violation-*"))
+    assert not list(rd.path.glob(".handoff.excl*"))
