@@ -154,6 +154,9 @@ def _become_worker(req: dict[str, Any], server_pid: int) -> None:
     for sig, handler in _FRESH_SIGNALS.items():
         with contextlib.suppress(OSError, ValueError, TypeError):
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    for sig in req.get("ignore_signals", []):  # as a cold worker's preexec_fn leaves them
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     out = req["_fds"][0]
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -335,29 +338,38 @@ def warm_script(argv: tuple[str, ...] | list[str]) -> tuple[str | None, str]:
 
 
 class WarmProc:
-    """A worker forked by the fork server, with the part of ``Popen``'s interface the agent uses."""
+    """A worker forked by the fork server, with the part of ``Popen``'s interface the agent uses.
 
-    def __init__(self, server: ForkServer, pid: int, stdout: io.BufferedReader) -> None:
+    Signalled through its own pidfd (a duplicate, closed once its exit is known): the server reaps the
+    worker, so its pid can be another process's by the time the agent signals it.
+    """
+
+    def __init__(self, server: ForkServer, pid: int, stdout: io.BufferedReader, pidfd: int) -> None:
         self.server = server
         self.pid = pid
         self.stdout = stdout
         self.returncode: int | None = None
+        self._pidfd = os.dup(pidfd)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, 0.0)
-        return self.returncode
+        return self._ended(self.server.exit_code(self.pid, 0.0) if self.returncode is None else None)
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self.server.exit_code(self.pid, timeout)
-        if self.returncode is None:
+        code = self._ended(self.server.exit_code(self.pid, timeout) if self.returncode is None else None)
+        if code is None:
             raise subprocess.TimeoutExpired(self.server.argv, timeout or 0.0)
-        return self.returncode
+        return code
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, sig)
+        if self.returncode is None and self._pidfd >= 0:
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def _ended(self, code: int | None) -> int | None:
+        if self.returncode is None and code is not None:
+            self.returncode = code
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return self.returncode
 
 
 class ForkServer:
@@ -423,9 +435,16 @@ class ForkServer:
             return self._ready
 
     def spawn(
-        self, argv: list[str], env: dict[str, str], out_fd: int, orig_argv: list[str], ptracer: int = 0
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        out_fd: int,
+        orig_argv: list[str],
+        ptracer: int = 0,
+        ignore_signals: tuple[int, ...] = (),
     ) -> tuple[int, int]:
-        """Fork a worker running ``argv`` (script first) with output on ``out_fd``: (pid, pidfd)."""
+        """Fork a worker running ``argv`` (script first) with output on ``out_fd``, ``ignore_signals``
+        ignored: (pid, pidfd)."""
         with self._lock:
             if self.problem:
                 raise ForkServerError(self.problem)
@@ -439,6 +458,7 @@ class ForkServer:
                 "cwd": os.getcwd(),
                 "unbuffered": True,
                 "ptracer": ptracer,
+                "ignore_signals": [int(sig) for sig in ignore_signals],
             }
             try:
                 send(self._sock, req, [out_fd])

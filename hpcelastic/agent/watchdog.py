@@ -2,11 +2,12 @@
 
 Every worker runs in its own session (its pid is its session id). The agent starts this module as
 a tiny separate process (``python -m hpcelastic.agent.watchdog``) and writes ``+SID``/``-SID`` lines
-to its stdin as workers come and go, and ``=SOCKET`` for the heartbeat socket named in the workers'
-environment. The agent holds the only write end of that pipe, so when the agent dies for any reason
-(SIGKILL included) the watchdog reads EOF and SIGKILLs every process still in a registered session
-or started with that environment (a worker's child that called ``setsid``): the workers and their
-children, which the workers' own parent-death signal would not reach.
+to its stdin as workers come and go, and ``=NAME=VALUE`` for the variable that marks the workers'
+environment (``hpcelastic.agent.workers.tree_marker``). The agent holds the only write end of that
+pipe, so when the agent dies for any reason (SIGKILL included) the watchdog reads EOF and SIGKILLs
+every process still in a registered session or started with that environment (a worker's child
+that called ``setsid``): the workers and their children, which the workers' own parent-death signal
+would not reach.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def session_pids(sids: set[int]) -> list[int]:
 
 
 def marked_pids(markers: set[str]) -> list[int]:
-    """Pids of every process started with ``HPCELASTIC_HEARTBEAT_SOCKET`` set to one of ``markers``.
+    """Pids of every process whose environment (``/proc/PID/environ``) holds one of ``markers``
+    (``NAME=VALUE``).
 
-    The workers' environment names their agent's heartbeat socket, and their descendants inherit
-    it: this finds a worker's child that left the session with ``setsid`` and lost its parent.
+    The workers' environment carries their agent's marker, and their descendants inherit it: this finds
+    a worker's child that left the session with ``setsid`` and lost its parent.
     """
-    wanted = {f"HPCELASTIC_HEARTBEAT_SOCKET={m}".encode() for m in markers}
+    wanted = {os.fsencode(m) for m in markers}
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -75,9 +77,10 @@ class Watchdog:
         """Register a worker session."""
         self._write(f"+{sid}\n")
 
-    def mark(self, heartbeat_socket: str) -> None:
-        """Also kill, on the agent's death, every process whose environment names ``heartbeat_socket``."""
-        self._write(f"={heartbeat_socket}\n")
+    def mark(self, marker: str) -> None:
+        """Also kill, on the agent's death, every process whose environment holds ``marker``
+        (``NAME=VALUE``)."""
+        self._write(f"={marker}\n")
 
     def remove(self, sid: int) -> None:
         """Forget a session whose processes are all gone."""

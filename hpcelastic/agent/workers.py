@@ -6,7 +6,10 @@ in its own session with ``PR_SET_PDEATHSIG`` = SIGKILL (set in the child between
 fires when the forking *thread* dies, so the agent spawns only from its main thread), and the
 :class:`~hpcelastic.agent.watchdog.Watchdog` kills grandchildren if the agent itself is killed. The
 agent is the child subreaper, and stopping kills the workers' sessions and every descendant that
-carries the workers' environment: a grandchild that called ``setsid`` dies too.
+carries the workers' environment marker (:func:`tree_marker`, also in the fork server's environment, so
+``/proc/PID/environ`` of a warm worker and of its forks shows it): a grandchild that called ``setsid``
+dies too. Workers start with the stop signal ignored: a script without a handler for it is not killed
+by it (Slurm signals every process of the step), and the agent stops it when it is not saving.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
 import selectors
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -33,6 +38,7 @@ from hpcelastic import handoff
 from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
 from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
+from hpcelastic.parse import parse_signal
 from hpcelastic.rundir import RunDir
 
 PR_SET_PDEATHSIG = 1
@@ -40,14 +46,68 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PTRACER = 0x59616D61  # "Yama"; EINVAL (ignored) without Yama
 TAIL_LINES = 200
 TRACEBACK_LINES = 60
+#: How long the agent waits for a SIGKILLed worker to go (one in uninterruptible I/O may not, for long).
+KILL_WAIT_S = 5.0
+#: The variable whose value (:func:`tree_marker`) marks every process of this agent's workers' trees.
+TREE_VARIABLE = "HPCELASTIC_WORKER_TREE"
 _libc = ctypes.CDLL(None, use_errno=True)
 _OUT_LOCK = threading.Lock()
 
 
-def _child_setup() -> None:  # runs in the child between fork and exec
+def _child_setup(ignore: tuple[int, ...] = ()) -> None:  # runs in the child between fork and exec
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # Yama ptrace_scope 1: let the agent's py-spy (a sibling) read this worker (hpcelastic.hangs.pyspy).
     _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(os.getppid()), 0, 0, 0)
+    for sig in ignore:  # an ignored signal stays ignored across exec, until the script handles it
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def tree_marker() -> str:
+    """This agent's mark on its workers' environment: its pid and start time (unique on the node)."""
+    return f"{os.getpid()}.{int(psutil.Process().create_time() * 100)}"
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Process ``pid`` has a handler for ``sig``: its bit in ``SigCgt`` of ``/proc/PID/status``."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def open_for_writing(pid: int, directory: str) -> list[str]:
+    """Files under ``directory`` (a real path) that process ``pid`` holds open for writing, from the
+    links in ``/proc/PID/fd`` and the flags in ``/proc/PID/fdinfo``."""
+    prefix = directory.rstrip("/") + "/"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+    found = []
+    for fd in fds:
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(prefix) and _writable(pid, fd):
+                found.append(target)
+    return found
+
+
+def _writable(pid: int, fd: str) -> bool:
+    for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+    return False
+
+
+def node_stalled(activity: list[float | None], timeout: float, now: float) -> bool:
+    """A node's workers stall together: every worker that has shown activity (a heartbeat, a save) did so
+    more than ``timeout`` ago. One that still works means the others wait for it in a collective."""
+    seen = [t for t in activity if t is not None]
+    return bool(seen) and len(seen) == len(activity) and all(now - t > timeout for t in seen)
 
 
 def signal_name(signum: int) -> str:
@@ -169,8 +229,10 @@ def worker_env(
 
 
 def base_env(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
-    """What every worker of this node gets before its own variables (and the fork server gets)."""
+    """What every worker of this node gets before its own variables (and the fork server gets), with
+    this agent's tree marker."""
     env = {k: v for k, v in environ.items() if k != AGENT_SECRET_VARIABLE}
+    env[TREE_VARIABLE] = tree_marker()
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     if nproc > 1:
@@ -243,8 +305,16 @@ class Worker:
     reader: threading.Thread | None = None
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     last_beat: float | None = None
+    #: When the agent last saw it (or a descendant) hold a file in the checkpoint dir open for writing.
+    last_save: float | None = None
     step: int | None = None
     exit_ts: float | None = None
+
+    @property
+    def activity(self) -> float | None:
+        """When it last showed it works: a heartbeat or a save (monotonic), None before either."""
+        seen = [t for t in (self.last_beat, self.last_save) if t is not None]
+        return max(seen) if seen else None
 
 
 class WorkerGroup:
@@ -265,7 +335,10 @@ class WorkerGroup:
         self._out_fd = out_fd
         self._forkserver = forkserver
         adopt_orphans()
-        watchdog.mark(cfg.heartbeat_socket)
+        self._marker = tree_marker()
+        watchdog.mark(f"{TREE_VARIABLE}={self._marker}")
+        self._stop_signal = int(parse_signal(cfg.stop_signal))
+        self._checkpoint_dir = os.path.realpath(cfg.checkpoint_dir)
         #: How the last round's workers were started: "warm" (forked by the fork server) or "cold",
         #: and why cold (``spawn_reason``).
         self.spawn = "cold"
@@ -314,13 +387,15 @@ class WorkerGroup:
         if server is not None:
             r, w = os.pipe2(os.O_CLOEXEC)
             try:
-                pid, pidfd = server.spawn(list(argv[2:]), env, w, list(argv), os.getpid())
+                pid, pidfd = server.spawn(
+                    list(argv[2:]), env, w, list(argv), os.getpid(), ignore_signals=(self._stop_signal,)
+                )
             except ForkServerError as e:
                 os.close(r)
                 self.spawn, self.spawn_reason = "cold", f"fork server: {e}"
             else:
                 self.spawn, self.spawn_reason = "warm", ""
-                return WarmProc(server, pid, open(r, "rb")), pidfd
+                return WarmProc(server, pid, open(r, "rb"), pidfd), pidfd
             finally:
                 os.close(w)
         proc = subprocess.Popen(
@@ -330,7 +405,7 @@ class WorkerGroup:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_child_setup,
+            preexec_fn=functools.partial(_child_setup, (self._stop_signal,)),
         )
         return proc, exit_fd(proc.pid)
 
@@ -381,11 +456,39 @@ class WorkerGroup:
             "ts": worker.exit_ts or time.time(),
         }
 
-    def signal_all(self, sig: int) -> None:
-        """Send ``sig`` to every running worker (the process itself, as torchrun does)."""
+    def signal_catching(self, sig: int) -> list[Worker]:
+        """Send ``sig`` to every running worker that has a handler for it (the process itself, as torchrun
+        does); returns those that have none, which the signal would kill, wherever they are."""
+        uncaught = []
         for w in self.running():
+            if not catches(w.proc.pid, sig):
+                uncaught.append(w)
+                continue
             with contextlib.suppress(OSError):
                 w.proc.send_signal(sig)
+        return uncaught
+
+    def saving(self, worker: Worker) -> list[str]:
+        """Files in the checkpoint dir that ``worker`` or a descendant holds open for writing."""
+        files = []
+        for pid in [worker.proc.pid, *_descendants(worker.proc.pid)]:
+            files += open_for_writing(pid, self._checkpoint_dir)
+        return files
+
+    def note_saves(self) -> None:
+        """Record which running workers are writing a checkpoint now (a save is activity, never a stall)."""
+        now = time.monotonic()
+        for w in self.running():
+            if self.saving(w):
+                w.last_save = now
+
+    def terminate(self, worker: Worker) -> None:
+        """SIGTERM ``worker`` and its descendants, without waiting (its exit shows on its pidfd)."""
+        with contextlib.suppress(OSError):
+            worker.proc.send_signal(signal.SIGTERM)
+        for pid in _descendants(worker.proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
 
     def stop(self, grace: float) -> None:
         """Stop every worker and all their descendants: SIGTERM, then SIGKILL after ``grace`` seconds."""
@@ -399,8 +502,7 @@ class WorkerGroup:
                 w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         if any(w.proc.poll() is None for w in self.workers) or self._tree(sids):
             self._signal_tree(sids, signal.SIGKILL)
-            for w in self.workers:
-                w.proc.wait()
+            self._wait_killed()
             others = [p for p in _processes(self._tree(sids))]
             psutil.wait_procs(others, timeout=2.0)  # reaps the orphans this agent adopted
         for w in self.workers:
@@ -411,6 +513,21 @@ class WorkerGroup:
                 w.reader.join(timeout=1.0)
             self._watchdog.remove(w.proc.pid)
         self.workers = []
+
+    def _wait_killed(self) -> None:
+        """Wait for SIGKILLed workers, :data:`KILL_WAIT_S` at most: one stuck in uninterruptible I/O is
+        logged and left (the agent's loop goes on; its exit is never reported)."""
+        deadline = time.monotonic() + KILL_WAIT_S
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(
+                    f"hpcelastic[agent {self.cfg.node_rank}]: rank {w.rank} (pid {w.proc.pid}) is still "
+                    f"there {KILL_WAIT_S:g} s after SIGKILL (uninterruptible I/O?); going on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def beat(self, rank: int, step: int | None) -> None:
         """A heartbeat datagram from the worker of global ``rank``.
@@ -425,9 +542,13 @@ class WorkerGroup:
                 self.progressed = self.progressed or step is not None
 
     def stalled(self, timeout: float) -> list[Worker]:
-        """Running workers whose last heartbeat is older than ``timeout`` (armed by the first one)."""
-        now = time.monotonic()
-        return [w for w in self.running() if w.last_beat is not None and now - w.last_beat > timeout]
+        """Every running worker when all of them stalled (:func:`node_stalled`; armed by the first
+        heartbeat, a save counts as activity), else none."""
+        running = self.running()
+        armed = [w for w in running if w.last_beat is not None]
+        if not node_stalled([w.activity for w in armed], timeout, time.monotonic()):
+            return []
+        return running
 
     def _tree(self, sids: set[int]) -> list[int]:
         """Every process of the workers' trees: their sessions, and descendants that left them.
@@ -436,10 +557,15 @@ class WorkerGroup:
         subreaper it stays a descendant even when its parent dies, and it carries the workers'
         environment (their heartbeat socket names this agent's workers alone).
         """
-        return sorted(set(session_pids(sids)) | set(marked_descendants(self.cfg.heartbeat_socket)))
+        server = {self._forkserver.pid} if self._forkserver is not None else set()
+        return sorted((set(session_pids(sids)) | set(marked_descendants(self._marker))) - server)
 
     def _signal_tree(self, sids: set[int], sig: int) -> None:
-        for pid in self._tree(sids):
+        """The workers through their handles (a warm one by pidfd), the rest of their trees by pid."""
+        for w in self.workers:
+            with contextlib.suppress(OSError):
+                w.proc.send_signal(sig)
+        for pid in set(self._tree(sids)) - sids:
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
 
@@ -484,14 +610,20 @@ def adopt_orphans() -> None:
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def marked_descendants(heartbeat_socket: str) -> list[int]:
-    """Descendants of this process started with ``HPCELASTIC_HEARTBEAT_SOCKET=heartbeat_socket``."""
+def marked_descendants(marker: str) -> list[int]:
+    """Descendants of this process whose environment (``/proc/PID/environ``) has ``TREE_VARIABLE=marker``."""
     found = []
     for p in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if p.environ().get("HPCELASTIC_HEARTBEAT_SOCKET") == heartbeat_socket:
+            if p.environ().get(TREE_VARIABLE) == marker:
                 found.append(p.pid)
     return found
+
+
+def _descendants(pid: int) -> list[int]:
+    with contextlib.suppress(psutil.Error):
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    return []
 
 
 def _processes(pids: list[int]) -> list[psutil.Process]:

@@ -7,11 +7,14 @@ signal dispositions, output, exit codes and signals must match.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hpcelastic.agent import workers as workers_module
 from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
-from hpcelastic.agent.workers import _child_setup
+from hpcelastic.agent.watchdog import Watchdog
+from hpcelastic.agent.workers import TREE_VARIABLE, WorkerGroup, _child_setup, base_env, tree_marker
 from tests.faults.localjob import LocalJob
+from tests.unit.test_workers_env import ROUND, config
 
 PROBE = """
 import json, os, signal, sys, threading, time, atexit
@@ -113,8 +119,9 @@ def run_warm(fs: ForkServer, argv: list[str], env: dict[str, str]) -> WarmProc:
         pid, pidfd = fs.spawn(argv[2:], env, w, argv)
     finally:
         os.close(w)
+    proc = WarmProc(fs, pid, open(r, "rb"), pidfd)  # noqa: SIM115 - closed by the caller's read
     os.close(pidfd)
-    return WarmProc(fs, pid, open(r, "rb"))  # noqa: SIM115 - closed by the caller's read
+    return proc
 
 
 def both(fs: ForkServer, probe: Path, *args: str) -> tuple[tuple[int, str], tuple[int, str]]:
@@ -168,7 +175,7 @@ def test_signals_reach_a_warm_worker_and_its_pidfd_reports_the_exit(server: Fork
     r, w = os.pipe2(os.O_CLOEXEC)
     pid, pidfd = server.spawn(argv[2:], worker_environ(probe.parent), w, argv)
     os.close(w)
-    proc = WarmProc(server, pid, open(r, "rb"))  # noqa: SIM115
+    proc = WarmProc(server, pid, open(r, "rb"), pidfd)  # noqa: SIM115
     assert proc.stdout.readline() == b"ready\n"
     assert proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
@@ -280,3 +287,99 @@ def test_site_key_warm_start_false_renders_no_warm_start(
     user.write_text("warm_start: 3\n")
     with pytest.raises(UserError, match="warm_start"):
         argv()
+
+
+# ---- a warm worker's tree is the agent's to end (issue 18, item 10) ------------------------------
+# Forks (no exec) a child that leaves the session, writes its pid, then both sleep.
+FORKING = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    with open(os.path.join(sys.argv[1], f"child-{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+    os._exit(0)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def warm_group(tmp_path: Path) -> Iterator[tuple[WorkerGroup, ForkServer]]:
+    """A node's worker group (2 workers of FORKING) forked warm by a real fork server."""
+    script = tmp_path / "forking.py"
+    script.write_text(FORKING)
+    argv = (sys.executable, "-u", str(script), str(tmp_path))
+    cfg = dataclasses.replace(config(tmp_path), argv=argv)
+    fs = ForkServer(
+        sys.executable, str(script), base_env(cfg.environ, 2), preload=("json",), preexec_fn=_child_setup
+    )
+    watchdog, devnull = Watchdog(), os.open(os.devnull, os.O_WRONLY)
+    try:
+        with selectors.DefaultSelector() as sel:
+            group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull, forkserver=fs)
+            group.start(ROUND)
+            assert group.spawn == "warm", group.spawn_reason
+            yield group, fs
+            group.stop(0.5)
+    finally:
+        os.kill(fs.pid, signal.SIGCONT)
+        fs.close()
+        watchdog.close()
+        os.close(devnull)
+
+
+def _children(d: Path) -> list[int]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        files = sorted(d.glob("child-*"))
+        if len(files) == 2 and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    pytest.fail("the warm workers did not fork")
+
+
+def test_a_setsid_fork_of_a_warm_worker_carries_the_marker_and_dies_with_it(
+    warm_group: tuple[WorkerGroup, ForkServer], tmp_path: Path
+) -> None:
+    """What teardown reads is /proc/PID/environ, which os.environ never changes: the fork server's own
+    environment carries the marker, so a warm worker's fork that called setsid is found and killed."""
+    group, _fs = warm_group
+    children = _children(tmp_path)
+    marker = f"{TREE_VARIABLE}={tree_marker()}".encode()
+    for pid in [w.proc.pid for w in group.workers] + children:
+        assert marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"), pid
+    group.stop(0.5)
+    assert not [c for c in children if _alive(c)], "a setsid fork of a warm worker survived the stop"
+
+
+def test_a_warm_worker_is_signalled_through_its_pidfd(
+    warm_group: tuple[WorkerGroup, ForkServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork server reaps warm workers, so their pids may be reused: never signalled by pid."""
+    group, _fs = warm_group
+    _children(Path(group.cfg.checkpoint_dir).parent)
+    worker = group.workers[0]
+
+    def no_kill(pid: int, sig: int) -> None:
+        assert pid != worker.proc.pid, "a warm worker signalled by pid"
+
+    monkeypatch.setattr(os, "kill", no_kill)
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_worker_that_does_not_go_after_sigkill_does_not_wedge_the_agent(
+    warm_group: tuple[WorkerGroup, ForkServer], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its exit never reported (here: the fork server is stopped, as a worker in uninterruptible I/O never
+    exits): stop() waits a bounded time, says so, and returns."""
+    group, fs = warm_group
+    _children(tmp_path)
+    monkeypatch.setattr(workers_module, "KILL_WAIT_S", 1.0)
+    os.kill(fs.pid, signal.SIGSTOP)
+    stopper = threading.Thread(target=group.stop, args=(0.3,), daemon=True)
+    t0 = time.monotonic()
+    stopper.start()
+    stopper.join(timeout=20)
+    assert not stopper.is_alive(), "stop() waits forever for a worker whose exit never comes"
+    assert time.monotonic() - t0 < 10 and group.workers == []

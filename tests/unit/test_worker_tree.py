@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from hpcelastic.agent.watchdog import Watchdog
-from hpcelastic.agent.workers import WorkerGroup
+from hpcelastic.agent.workers import TREE_VARIABLE, WorkerGroup
 from tests.unit.test_workers_env import ROUND, config
 
 # The worker starts `setsid sleep` that inherits its stdout (the agent's pipe), writes its pid, then
@@ -78,8 +78,8 @@ def test_a_setsid_grandchild_is_killed_with_its_worker(tmp_path: Path, worker_fa
 def test_the_watchdog_kills_a_setsid_grandchild_when_the_agent_dies(tmp_path: Path) -> None:
     """The agent is gone (its end of the watchdog's pipe closes): a worker's orphan in a session of its
     own, found by the workers' environment, is killed too."""
-    marker = str(tmp_path / "hb.sock")
-    env = dict(os.environ, HPCELASTIC_HEARTBEAT_SOCKET=marker)
+    marker = f"{TREE_VARIABLE}={tmp_path.name}"
+    env = dict(os.environ, **{TREE_VARIABLE: tmp_path.name})
     orphan = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
     watchdog = Watchdog()
