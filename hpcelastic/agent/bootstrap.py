@@ -32,8 +32,12 @@ from hpcelastic.env import slurm
 from hpcelastic.env.base import Environment, NodeContext, Rendezvous
 from hpcelastic.errors import UserError
 from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
+
+#: The agent's exit code when the run was cancelled before its attempt started (128 + SIGTERM).
+EXIT_CANCELLED = 128 + signal.SIGTERM
 
 
 def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) -> NodeRuntime | int:
@@ -42,6 +46,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     ctx = env.context()
     min_nodes = node_range(spec, ctx)[0]
     nproc = worker_count(spec, ctx)
+    if cancelled_before_start(spec, ctx, env.environ):
+        return EXIT_CANCELLED
     rdzv = env.rendezvous(ctx, spec.rdzv)
     run_dir = rdzv.run_dir
     attempt = begin_attempt(run_dir, ctx, env.environ)
@@ -123,6 +129,21 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     )
     install_signals(rt, wake, stack)
     return rt
+
+
+def cancelled_before_start(spec: AgentSpec, ctx: NodeContext, environ: Mapping[str, str]) -> bool:
+    """True when the run was cancelled before this attempt started: the agent then leaves at once.
+
+    Looked at before the rendezvous, so every agent leaves and none waits for another; group rank 0
+    scancels the job, which a requeue or resubmission racing the cancel brought back.
+    """
+    if spec.rdzv.run_dir is None or not spec.rdzv.run_dir.is_dir():
+        return False  # the rendezvous says what is wrong
+    job_id = slurm.job_id(environ) if ctx.is_coordinator else None
+    if not refuse_cancelled_start(RunDir(spec.rdzv.run_dir), job_id):
+        return False
+    say(ctx.node_rank, "the run was cancelled (hpcelastic cancel); this attempt does not start")
+    return True
 
 
 #: The longest path a Unix socket address holds (``sun_path`` is 108 bytes with its NUL).

@@ -1,11 +1,18 @@
-"""Cancel a run: mark it cancelled (no later decision brings it back), then scancel its active jobs."""
+"""Cancel a run: mark it cancelled (no later decision brings it back), then scancel its active jobs.
+
+The mark comes first and every path that queues the job again looks at it after Slurm queued the job
+(the executor, after ``sbatch`` or ``scontrol requeue`` returned and the event is written) and at the
+start of every attempt (the agents), so a cancel racing a requeue or resubmission never lets a job
+run: either the cancel sees the new job in the event log, or the executor sees the mark.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from hpcelastic import events
-from hpcelastic.errors import UserError
+from hpcelastic.errors import SlurmError, UserError
 from hpcelastic.jobs import slurm
 from hpcelastic.rundir import RunDir
 
@@ -20,6 +27,26 @@ def mark_cancelled(run_dir: RunDir) -> None:
 def is_cancelled(run_dir: RunDir) -> bool:
     """True once the run was cancelled (``hpcelastic cancel``)."""
     return (run_dir.path / "claims" / CANCEL_CLAIM).exists()
+
+
+def cancel_job(run_dir: RunDir, job_id: str) -> None:
+    """``scancel`` one job of the run and record it; raises :class:`SlurmError` when Slurm refuses."""
+    slurm.cancel(job_id)
+    run_dir.record(events.cancelled(job_id=job_id))
+
+
+def refuse_cancelled_start(run_dir: RunDir, job_id: str | None) -> bool:
+    """At the start of an attempt: True when the run was cancelled, and its Slurm job then scancelled.
+
+    A job that a requeue or resubmission brought back while the user cancelled ends here, before
+    any worker starts.
+    """
+    if not is_cancelled(run_dir):
+        return False
+    if job_id:
+        with contextlib.suppress(SlurmError):  # already ending: nothing left to cancel
+            cancel_job(run_dir, job_id)
+    return True
 
 
 @dataclass(frozen=True)
@@ -49,8 +76,7 @@ def cancel_run(rd: RunDir) -> CancelResult:
     cancelled: list[str] = []
     while active:
         job_id = active.pop()
-        slurm.cancel(job_id)
-        rd.record(events.cancelled(job_id=job_id))
+        cancel_job(rd, job_id)
         cancelled.append(job_id)
         newest = rd.latest_job_id()
         if not active and newest and newest not in cancelled:

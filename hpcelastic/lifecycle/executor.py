@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -127,6 +127,7 @@ class Executor:
                     bad_nodes=end.bad_nodes,
                     action=decision.action.value,
                     exclude=decision.exclude,
+                    progress=decision.progress,
                 )
             )
             if decision.action is Action.SUCCEED:
@@ -136,7 +137,7 @@ class Executor:
                 )
             if decision.action is Action.SKIP:
                 return self._skip(rd, end, decision)
-            return self._bring_back(rd, end, decision, settings, t0)
+            return self._unless_cancelled_meanwhile(rd, self._bring_back(rd, end, decision, settings, t0))
 
     # -- actions --------------------------------------------------------------------------------
 
@@ -204,6 +205,28 @@ class Executor:
         self.say(msg + _nodes_note(exclude))
         return Outcome(
             Result.RESUBMITTED, reason, decision.exit_code, attempt, attempt + 1, new_id, msg, duration
+        )
+
+    def _unless_cancelled_meanwhile(self, rd: RunDir, outcome: Outcome) -> Outcome:
+        """``outcome`` of a bring-back, unless the run was cancelled while Slurm queued the job again.
+
+        Looked at after Slurm answered and the ``requeued``/``resubmitted`` event is written: a cancel
+        that came earlier is seen here, and one that comes later finds the job in the event log.
+        """
+        if outcome.action not in (Result.REQUEUED, Result.RESUBMITTED) or not is_cancelled(rd):
+            return outcome
+        assert outcome.job_id is not None
+        job_id = outcome.job_id
+        _, error = self._retrying(lambda: slurm.cancel(job_id))
+        rd.record(
+            events.cancelled(job_id=job_id)
+        )  # after the requeued/resubmitted event: status reads it last
+        msg = f"the run was cancelled while job {job_id} was queued again; " + (
+            f"scancel {job_id}: {error} (its agents stop at start)" if error else f"cancelled job {job_id}"
+        )
+        self.say(msg)
+        return replace(
+            outcome, action=Result.SKIPPED, reason=JobEnd.CANCELLED, next_attempt=None, message=msg
         )
 
     def _slurm_requeued(self, rd: RunDir, end: AttemptEnd, decision: Decision, t0: float) -> Outcome:
