@@ -290,9 +290,11 @@ def attempt_ended(
     bad_nodes: Sequence[str] = (),
     action: str | None = None,
     exclude: Sequence[str] = (),
+    progress: str | None = None,
 ) -> Event:
     """``action`` is the policy's verdict (``bring_back`` counts the requeue before Slurm is asked);
-    ``exclude`` the nodes the next attempt avoids."""
+    ``exclude`` the nodes the next attempt avoids; ``progressed``: the attempt trained; ``progress``:
+    why it advanced the job (None: it did not), see ``lifecycle/progress.py``."""
     return _event(
         ATTEMPT_ENDED,
         attempt=attempt,
@@ -300,6 +302,7 @@ def attempt_ended(
         exit_code=exit_code,
         signature=signature,
         progressed=progressed,
+        progress=progress,
         bad_nodes=list(bad_nodes),
         action=action,
         exclude=list(exclude),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from hpcelastic import events, handoff
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.lifecycle.classify import Stop, slurm_stop
+from hpcelastic.lifecycle.evidence import new_checkpoint, partition_capacity
 from hpcelastic.lifecycle.executor import Executor
 from hpcelastic.lifecycle.history import attempt_root_cause, root_cause_signature
 from hpcelastic.lifecycle.policy import AttemptEnd, Settings
@@ -42,12 +43,16 @@ def end_attempt(
     ``reason`` PREEMPTED (a stop signal was seen) becomes the time limit, a preemption or a node
     failure; any other failure becomes the stop Slurm is making, if it is ending the job. A job
     Slurm is cancelling (plain ``scancel``) marks the run cancelled: it is never brought back.
-    The attempt's root cause is read from the event log. ``exit_code`` defaults to ``reason.exit_code``.
+    The attempt's root cause is read from the event log, a checkpoint the attempt wrote from the
+    checkpoint directory, the nodes the job could be placed on from Slurm.
+    ``exit_code`` defaults to ``reason.exit_code``.
     """
     settings = Settings.parse(requeue_mode, max_requeues)
     slurm_requeued = False
     if reason is not Reason.SUCCEEDED and job_id:
         reason, slurm_requeued = _slurm_reason(run_dir, job_id, reason)
+    log = run_dir.events()
+    started = log.last(events.ATTEMPT_STARTED, attempt=attempt)
     end = AttemptEnd(
         attempt=attempt,
         reason=reason,
@@ -55,8 +60,12 @@ def end_attempt(
         job_id=job_id,
         bad_nodes=tuple(bad_nodes),
         progressed=progressed,
-        signature=root_cause_signature(attempt_root_cause(run_dir.events())),
+        signature=root_cause_signature(attempt_root_cause(log)),
         slurm_requeued=slurm_requeued,
+        new_checkpoint=new_checkpoint(
+            run_dir.read_meta().get("checkpoint_dir"), float(started["ts"]) if started else float("inf")
+        ),
+        capacity=partition_capacity(job_id) if job_id and reason is not Reason.SUCCEEDED else None,
     )
     outcome = (executor or Executor()).conclude(run_dir, end, settings)
     return EndOutcome(outcome.exit_code, outcome.message)

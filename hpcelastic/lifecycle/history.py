@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcelastic import events
 from hpcelastic.events import EventLog
+from hpcelastic.lifecycle.progress import AttemptProgress, trained
 from hpcelastic.reasons import Reason, RequeueCounter
 
 #: ``attempt_ended.action`` when the job is brought back (``policy.Action.BRING_BACK``).
@@ -22,7 +23,7 @@ NODE_COOLDOWN_MAX_S = 4 * 3600.0
 
 @dataclass(frozen=True)
 class PreviousEnd:
-    """How the attempt before this one ended (its ``attempt_ended`` event)."""
+    """How the attempt before this one ended: its root cause's signature, and whether it trained."""
 
     signature: str | None
     progressed: bool
@@ -34,9 +35,9 @@ class History:
 
     attempt: int
     previous: PreviousEnd | None = None
-    published_in_attempt: bool = False
     ended: Mapping[int, Reason | None] = field(default_factory=dict)
-    published: frozenset[int] = frozenset()
+    #: Every attempt's evidence of progress, this one's included (see :mod:`~hpcelastic.lifecycle.progress`).
+    attempts: Mapping[int, AttemptProgress] = field(default_factory=dict)
     requeues: Mapping[RequeueCounter, int] = field(default_factory=dict)
     bad_nodes: tuple[str, ...] = ()
     cancelled: bool = False
@@ -57,23 +58,63 @@ class History:
         prev = log.last(events.ATTEMPT_ENDED, attempt=attempt - 1)
         excluded = excluded_nodes(log)
         bad = excluded if now is None else nodes_cooling_down(node_failures(log), now)
+        progress = attempts_progress(log, now)
         return cls(
             attempt=attempt,
             previous=(
-                PreviousEnd(prev.get("signature"), bool(prev.get("progressed"))) if prev is not None else None
+                PreviousEnd(prev.get("signature"), trained(progress, attempt - 1))
+                if prev is not None
+                else None
             ),
-            published_in_attempt=attempt in log.published_attempts(),
             ended={
                 r["attempt"]: Reason.parse(r.get("reason"))
                 for r in log.of(events.ATTEMPT_ENDED)
                 if isinstance(r.get("attempt"), int)
             },
-            published=frozenset(log.published_attempts()),
+            attempts=progress,
             requeues=requeue_counts(log),
             bad_nodes=bad,
             cancelled=cancelled,
             released_nodes=tuple(n for n in excluded if n not in bad),
         )
+
+
+def attempts_progress(log: EventLog, now: float | None = None) -> dict[int, AttemptProgress]:
+    """Each attempt's evidence of progress: its highest step (the coordinator's ``progress`` events),
+    a published checkpoint, how long its workers ran (from its first ``workers_started`` to its
+    ``attempt_ended``, or ``now`` while it runs) and what its decider recorded."""
+    top: dict[int, int] = {}
+    for r in log.of(events.PROGRESS):
+        k, step = r.get("attempt"), r.get("step")
+        if isinstance(k, int) and isinstance(step, int):
+            top[k] = max(step, top.get(k, step))
+    published = log.published_attempts()
+    started: dict[int, float] = {}
+    ended: dict[int, float] = {}
+    decided: dict[int, tuple[str | None, bool]] = {}
+    attempt: int | None = None
+    for r in log:
+        name = r["event"]
+        if name == events.ATTEMPT_STARTED and isinstance(r.get("attempt"), int):
+            attempt = r["attempt"]
+        elif name == events.WORKERS_STARTED and attempt is not None:
+            started.setdefault(attempt, float(r.get("spawned_ts") or r.get("ts") or 0.0))
+        elif name == events.ATTEMPT_ENDED and isinstance(r.get("attempt"), int):
+            ended[r["attempt"]] = float(r.get("ts") or 0.0)
+            decided[r["attempt"]] = (r.get("progress"), bool(r.get("progressed")))
+    last_ts = float(log[-1].get("ts") or 0.0) if len(log) else 0.0
+    out: dict[int, AttemptProgress] = {}
+    for k in {*top, *published, *started, *decided}:
+        end_ts = ended.get(k, last_ts if now is None else now)
+        why, did_train = decided.get(k, (None, False))
+        out[k] = AttemptProgress(
+            top_step=top.get(k),
+            published=k in published,
+            trained_s=max(0.0, end_ts - started[k]) if k in started else 0.0,
+            advanced=str(why) if why else None,
+            trained=did_train,
+        )
+    return out
 
 
 def _requeues(log: EventLog) -> list[Mapping[str, Any]]:
@@ -157,18 +198,32 @@ def attempt_root_cause(log: EventLog) -> Mapping[str, Any] | None:
 
 
 def root_cause_signature(root_cause: Mapping[str, Any] | None) -> str | None:
-    """A short hash naming a failure independently of hosts, ports, pids and addresses.
+    """A short hash naming what failed, so that two attempts match only when they failed the same way.
 
-    Built from the exit code, the signal and the last line of the error (or traceback); two
-    attempts that die the same way at start-up get the same signature.
+    It tells apart what differs: the kind (a node lost, a signal such as an OOM kill, an exception
+    with its frames, an exit code), and for a node lost or a signal the host it happened on (two
+    nodes dying, or OOM kills on two hosts, are not one bug). An exception is named by its frames and
+    its last line, not its host (every rank of a broken script fails the same way). Numbers,
+    addresses, ports and pids are masked.
     """
     if not root_cause:
         return None
-    text = str(root_cause.get("error") or "").strip()
-    if not text:
-        lines = [ln for ln in str(root_cause.get("traceback") or "").splitlines() if ln.strip()]
-        text = lines[-1].strip() if lines else ""
-    text = re.sub(r"0x[0-9a-fA-F]+", "0x_", text)
-    text = re.sub(r"\d+", "N", text)
-    key = f"{root_cause.get('exitcode')}|{root_cause.get('signal')}|{text}"
+    error = str(root_cause.get("error") or "").strip()
+    tb_lines = [ln.strip() for ln in str(root_cause.get("traceback") or "").splitlines() if ln.strip()]
+    node = str(root_cause.get("node") or "")
+    if error.startswith("node lost"):
+        key = f"node_lost|{node}"
+    elif root_cause.get("signal"):
+        key = f"signal|{root_cause.get('signal')}|{node}"
+    elif tb_lines:
+        calls = [ln for ln in tb_lines if ln.startswith("File ")]
+        frames = [_mask(ln.split(", line ")[0] + ln.split(", in ")[-1]) for ln in calls]
+        key = f"exception|{root_cause.get('exitcode')}|{'/'.join(frames)}|{_mask(tb_lines[-1])}"
+    else:
+        key = f"exit|{root_cause.get('exitcode')}|{_mask(error)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _mask(text: str) -> str:
+    """``text`` with addresses and numbers replaced (they differ between two runs of the same failure)."""
+    return re.sub(r"\d+", "N", re.sub(r"0x[0-9a-fA-F]+", "0x_", text))

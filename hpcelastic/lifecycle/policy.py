@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from hpcelastic import sites
 from hpcelastic.errors import UserError
+from hpcelastic.lifecycle import progress
 from hpcelastic.lifecycle.history import History
 from hpcelastic.reasons import JobEnd, Named, Reason, SkipReason
 
 DEFAULT_MAX_REQUEUES: int = sites.default("requeue.max_requeues")
-MAX_STOPS_WITHOUT_CHECKPOINT = 3
+MAX_STOPS_WITHOUT_PROGRESS = 3
 
 
 class RequeueMode(Named):
@@ -46,6 +47,14 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class Capacity:
+    """The nodes of the job's partition that could run it (not down or drained) and how many it needs."""
+
+    usable: frozenset[str]
+    needed: int
+
+
+@dataclass(frozen=True)
 class AttemptEnd:
     """How one attempt ended, as its decider saw it."""
 
@@ -54,10 +63,15 @@ class AttemptEnd:
     exit_code: int
     job_id: str | None
     bad_nodes: tuple[str, ...] = ()
+    #: The decider's own node saw a step (its workers' heartbeats).
     progressed: bool = False
     signature: str | None = None
     #: Slurm has queued the job again itself (preemption with PreemptMode=REQUEUE).
     slurm_requeued: bool = False
+    #: A complete checkpoint written during the attempt, found in the checkpoint directory.
+    new_checkpoint: str | None = None
+    #: The partition's usable nodes and how many the job needs (None: unknown, exclusions not capped).
+    capacity: Capacity | None = None
 
 
 class Action(Named):
@@ -72,7 +86,8 @@ class Action(Named):
 class Decision:
     """The policy's verdict on one ended attempt.
 
-    ``progressed`` is what ``attempt_ended`` records. ``SKIP`` carries ``skip`` (why), ``job_end``
+    ``progressed`` (the attempt trained) and ``progress`` (why it advanced the job, or None) are what
+    ``attempt_ended`` records. ``SKIP`` carries ``skip`` (why), ``job_end``
     (the ``job_failed`` reason) and ``message``; ``BRING_BACK`` carries ``job_id``, ``exclude`` and
     ``release`` (nodes excluded before whose cooldown is over).
     ``slurm_requeued``: Slurm has queued the job again itself; a ``BRING_BACK`` then neither requeues
@@ -90,23 +105,40 @@ class Decision:
     exclude: tuple[str, ...] = ()
     release: tuple[str, ...] = ()
     slurm_requeued: bool = False
+    progress: str | None = None
 
 
-def stops_without_checkpoint(history: History, end: AttemptEnd) -> int:
-    """How many attempts in a row, ending with this one, were stopped before publishing a checkpoint.
+def stops_without_progress(history: History, end: AttemptEnd) -> int:
+    """How many attempts in a row, ending with this one, were stopped without advancing the job.
 
     Preemption and time-limit requeues have no budget (a long job needs many), so this is what
     stops a job whose time limit is shorter than its start-up plus the signal lead from being
-    requeued forever without progress.
+    requeued forever. An attempt that advanced (:func:`~hpcelastic.lifecycle.progress.advanced`: a
+    checkpoint, published or not, or a step beyond all earlier ones) ends the count.
     """
     ended = {**history.ended, end.attempt: end.reason}
     count = 0
     for k in range(end.attempt, -1, -1):
         reason = ended.get(k)
-        if reason is None or not reason.is_stop or k in history.published:
+        found = end.new_checkpoint if k == end.attempt else None
+        if reason is None or not reason.is_stop:
+            break
+        if progress.advanced(history.attempts, k, new_checkpoint=found):
             break
         count += 1
     return count
+
+
+def capped_exclusion(nodes: tuple[str, ...], capacity: Capacity | None) -> tuple[str, ...]:
+    """``nodes`` (oldest evidence first), less the oldest usable ones that would leave the job fewer usable
+    nodes than it needs: an exclusion never makes the job unschedulable on its partition. Nodes that
+    cannot run jobs now (down, drained) cost nothing and stay excluded."""
+    if capacity is None:
+        return nodes
+    room = max(0, len(capacity.usable) - capacity.needed)
+    usable = [n for n in nodes if n in capacity.usable]
+    dropped = set(usable[: max(0, len(usable) - room)])
+    return tuple(n for n in nodes if n not in dropped)
 
 
 def cancelled_decision(end: AttemptEnd, progressed: bool) -> Decision:
@@ -124,15 +156,24 @@ def cancelled_decision(end: AttemptEnd, progressed: bool) -> Decision:
 
 def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
     """Succeed, skip (and why) or bring the job back, by the rules of the module docstring."""
-    progressed = end.progressed or history.published_in_attempt
+    advanced = progress.advanced(history.attempts, end.attempt, new_checkpoint=end.new_checkpoint)
+    progressed = end.progressed or advanced is not None or progress.trained(history.attempts, end.attempt)
 
     def skip(why: SkipReason, job_end: Reason | JobEnd, code: int, message: str) -> Decision:
         return Decision(
-            Action.SKIP, code, progressed, why, job_end, message, slurm_requeued=end.slurm_requeued
+            Action.SKIP,
+            code,
+            progressed,
+            why,
+            job_end,
+            message,
+            slurm_requeued=end.slurm_requeued,
+            progress=advanced,
         )
 
     if end.reason is Reason.SUCCEEDED:
-        return Decision(Action.SUCCEED, Reason.SUCCEEDED.exit_code, progressed, message="the job succeeded")
+        ok = Reason.SUCCEEDED.exit_code
+        return Decision(Action.SUCCEED, ok, progressed, message="the job succeeded", progress=advanced)
     if history.cancelled:
         return cancelled_decision(end, progressed)
     prev = history.previous
@@ -158,14 +199,15 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
             end.exit_code,
             "not running under Slurm (no job id): nothing to requeue",
         )
-    stalled = stops_without_checkpoint(history, end)
-    if stalled >= MAX_STOPS_WITHOUT_CHECKPOINT:
+    stalled = stops_without_progress(history, end)
+    if stalled >= MAX_STOPS_WITHOUT_PROGRESS:
         return skip(
             SkipReason.NO_PROGRESS,
             end.reason,
             end.exit_code,
-            f"the job was stopped ({end.reason}) {stalled} attempts in a row before it published a "
-            "checkpoint; not requeued: give it a longer --time or a shorter --signal lead",
+            f"the job was stopped ({end.reason}) {stalled} attempts in a row without progress (no new "
+            "checkpoint, no step beyond the earlier attempts'); not requeued: give it a longer --time "
+            "or a shorter --signal lead",
         )
     if not end.reason.is_stop and history.budget_used >= settings.max_requeues:
         return skip(
@@ -175,13 +217,15 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
             f"requeue limit reached ({history.budget_used} of --max-requeues {settings.max_requeues} "
             "used); not requeued: raise --max-requeues to allow more",
         )
-    exclude = tuple(dict.fromkeys([*history.bad_nodes, *sorted(set(end.bad_nodes))]))
+    wanted = tuple(dict.fromkeys([*history.bad_nodes, *sorted(set(end.bad_nodes))]))
+    exclude = capped_exclusion(wanted, end.capacity)
     return Decision(
         Action.BRING_BACK,
         end.reason.exit_code if end.reason.is_stop else end.exit_code,
         progressed,
         job_id=end.job_id,
         exclude=exclude,
-        release=tuple(n for n in history.released_nodes if n not in exclude),
+        release=tuple(dict.fromkeys(n for n in [*history.released_nodes, *wanted] if n not in exclude)),
         slurm_requeued=end.slurm_requeued,
+        progress=advanced,
     )

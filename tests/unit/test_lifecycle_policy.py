@@ -15,6 +15,7 @@ from hpcelastic.lifecycle.cancel import cancel_run, is_cancelled
 from hpcelastic.lifecycle.finalize import recorded_exit, step_end_reason
 from hpcelastic.lifecycle.history import History, PreviousEnd, excluded_nodes, requeue_counts
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Settings, decide
+from hpcelastic.lifecycle.progress import AttemptProgress
 from hpcelastic.reasons import JobEnd, Reason, RequeueCounter, SkipReason
 from hpcelastic.rundir import RunDir
 
@@ -63,7 +64,7 @@ CASES = [
     ),
     (
         "same root cause, this attempt published a checkpoint",
-        History(1, previous=PreviousEnd(SIG, False), published_in_attempt=True),
+        History(1, previous=PreviousEnd(SIG, False), attempts={1: AttemptProgress(published=True)}),
         _end(R.RESTARTS_EXHAUSTED, sig=SIG),
         Settings(),
         (Action.BRING_BACK, None, None, 3),
@@ -84,7 +85,7 @@ CASES = [
     ),
     (
         "three stops, one with a checkpoint",
-        History(2, ended={0: R.TIME_LIMIT, 1: R.PREEMPTED}, published=frozenset({0})),
+        History(2, ended={0: R.TIME_LIMIT, 1: R.PREEMPTED}, attempts={0: AttemptProgress(published=True)}),
         _end(R.TIME_LIMIT, attempt=2),
         Settings(),
         (Action.BRING_BACK, None, None, 5),
@@ -137,7 +138,8 @@ def test_bring_back_excludes_old_and_new_bad_nodes_once() -> None:
 
 def test_progress_is_reported_by_workers_or_a_published_checkpoint() -> None:
     assert decide(History(1), _end(R.SUCCEEDED, progressed=True), Settings()).progressed
-    assert decide(History(1, published_in_attempt=True), _end(R.SUCCEEDED), Settings()).progressed
+    published = History(1, attempts={1: AttemptProgress(published=True)})
+    assert decide(published, _end(R.SUCCEEDED), Settings()).progressed
     assert not decide(History(1), _end(R.SUCCEEDED), Settings()).progressed
 
 
@@ -157,8 +159,8 @@ def test_history_from_the_event_log() -> None:
         ]
     )
     h = History.from_log(log, 1, cancelled=False)
-    assert h.previous == PreviousEnd("s", False) and h.published_in_attempt
-    assert h.ended == {0: R.NODE_UNHEALTHY} and h.published == {1} and h.budget_used == 1
+    assert h.previous == PreviousEnd("s", False) and h.attempts[1].published
+    assert h.ended == {0: R.NODE_UNHEALTHY} and not h.attempts[0].published and h.budget_used == 1
     assert requeue_counts(log) == {C.FAILURE: 0, C.PREEMPTED: 1, C.TIME_LIMIT: 0, C.NODE_UNHEALTHY: 1}
     assert excluded_nodes(log) == ("n2", "n4")
     assert History.from_log(log, 0, cancelled=True).previous is None

@@ -31,10 +31,10 @@ from hpcelastic.lifecycle.history import (
     root_cause_signature,
 )
 from hpcelastic.lifecycle.policy import (
-    MAX_STOPS_WITHOUT_CHECKPOINT,
+    MAX_STOPS_WITHOUT_PROGRESS,
     AttemptEnd,
     Settings,
-    stops_without_checkpoint,
+    stops_without_progress,
 )
 from hpcelastic.reasons import Reason, RequeueCounter
 from hpcelastic.rundir import RunDir
@@ -326,7 +326,7 @@ def test_unknown_reason_is_a_programming_error(rd: RunDir) -> None:
     assert not (rd.path / "claims" / "decide-attempt-0").exists()  # a later valid decision still can happen
 
 
-def test_stops_without_checkpoint_counts_the_streak() -> None:
+def test_stops_without_progress_counts_the_streak() -> None:
     evs = EventLog(
         [
             {"event": "attempt_ended", "attempt": 0, "reason": "time_limit"},
@@ -338,7 +338,7 @@ def test_stops_without_checkpoint_counts_the_streak() -> None:
 
     def streak(log: EventLog, attempt: int, reason: Reason) -> int:
         history = History.from_log(log, attempt, cancelled=False)
-        return stops_without_checkpoint(history, AttemptEnd(attempt, reason, reason.exit_code, "1"))
+        return stops_without_progress(history, AttemptEnd(attempt, reason, reason.exit_code, "1"))
 
     assert streak(evs, 3, Reason.TIME_LIMIT) == 3  # attempts 1, 2, 3; 0 published
     assert streak(evs, 3, Reason.RESTARTS_EXHAUSTED) == 0
@@ -347,9 +347,9 @@ def test_stops_without_checkpoint_counts_the_streak() -> None:
 
 def test_a_job_stopped_again_and_again_without_a_checkpoint_is_not_requeued(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
-    for k in range(MAX_STOPS_WITHOUT_CHECKPOINT - 1):
+    for k in range(MAX_STOPS_WITHOUT_PROGRESS - 1):
         rd.record(Event(EventName.ATTEMPT_ENDED, {"attempt": k, "reason": "time_limit", "exit_code": 5}))
-    out = _conclude(rd, MAX_STOPS_WITHOUT_CHECKPOINT - 1, "time_limit", 5, [], "4242", max_requeues=3)
+    out = _conclude(rd, MAX_STOPS_WITHOUT_PROGRESS - 1, "time_limit", 5, [], "4242", max_requeues=3)
     assert out.action == "skipped"
     skipped = [e for e in rd.events() if e["event"] == "requeue_skipped"]
     assert skipped[-1]["reason"] == "no_progress" and "--time" in skipped[-1]["detail"]

@@ -1,0 +1,107 @@
+"""The evidence the end-of-attempt decision reads from outside the event log (I/O at the edge).
+
+- :func:`new_checkpoint`: a complete checkpoint the attempt wrote into the checkpoint directory, published
+  or not (an unchanged script saves on its own, with ``torch.save`` or ``torch.distributed.checkpoint``).
+- :func:`partition_capacity`: which nodes of its partition a requeued job could run on, and how many it needs.
+
+Each answers None when it cannot tell; the policy then decides without it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hpcelastic.errors import SlurmError
+from hpcelastic.jobs import slurm
+from hpcelastic.lifecycle.policy import Capacity
+
+#: ``torch.distributed.checkpoint`` writes this file last: a directory holding it is a complete checkpoint.
+DCP_METADATA = ".metadata"
+#: Names of files still being written, not checkpoints at all, or a shard of a DCP checkpoint (which is
+#: complete only with its directory's ``.metadata``).
+PARTIAL_SUFFIXES = (".tmp", ".part", ".partial", ".lock", "~", ".distcp")
+OWN_PREFIX = "hpcelastic-"
+#: ``torch.save`` writes a zip archive; a complete one ends with its end-of-central-directory record.
+ZIP_MAGIC = b"PK\x03\x04"
+ZIP_END = b"PK\x05\x06"
+ZIP_TAIL_BYTES = 65536 + 22
+#: The scan stops after this many entries or this depth (a checkpoint directory on Lustre may be huge).
+SCAN_LIMIT = 20000
+SCAN_DEPTH = 3
+
+
+def new_checkpoint(checkpoint_dir: str | os.PathLike[str] | None, since: float) -> str | None:
+    """The newest complete checkpoint under ``checkpoint_dir`` modified at or after ``since`` (epoch s),
+    relative to the directory; None when there is none or the directory cannot be read."""
+    if not checkpoint_dir:
+        return None
+    root = Path(checkpoint_dir)
+    best: tuple[float, str] | None = None
+    for path, depth in _walk(root)[:SCAN_LIMIT]:
+        mtime = _complete_mtime(path, depth)
+        if mtime is not None and mtime >= since and (best is None or mtime > best[0]):
+            best = (mtime, str(path.relative_to(root)))
+    return best[1] if best else None
+
+
+def _walk(root: Path) -> list[tuple[Path, int]]:
+    """Entries under ``root`` to :data:`SCAN_DEPTH`, not descending into DCP checkpoints."""
+    out: list[tuple[Path, int]] = []
+    todo = [(root, 0)]
+    while todo and len(out) <= SCAN_LIMIT:
+        folder, depth = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            if e.name.startswith((".", OWN_PREFIX)) or e.name.endswith(PARTIAL_SUFFIXES):
+                continue
+            path = Path(e.path)
+            out.append((path, depth))
+            deeper = depth + 1 < SCAN_DEPTH and e.is_dir(follow_symlinks=False)
+            if deeper and not (path / DCP_METADATA).exists():
+                todo.append((path, depth + 1))
+    return out
+
+
+def _complete_mtime(path: Path, depth: int) -> float | None:
+    """When ``path`` was completed, if it is a complete checkpoint: a DCP directory (its ``.metadata``)
+    or a non-empty file (a zip archive only with its end record: a save killed halfway is not one)."""
+    try:
+        if path.is_dir():
+            meta = path / DCP_METADATA
+            return meta.stat().st_mtime if meta.is_file() else None
+        st = path.stat()
+        if not path.is_file() or st.st_size == 0 or _torn_zip(path, st.st_size):
+            return None
+        return st.st_mtime
+    except OSError:
+        return None
+
+
+def _torn_zip(path: Path, size: int) -> bool:
+    with path.open("rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            return False
+        f.seek(max(0, size - ZIP_TAIL_BYTES))
+        return ZIP_END not in f.read()
+
+
+def partition_capacity(job_id: str) -> Capacity | None:
+    """The nodes of job ``job_id``'s partition that can run it now (not DOWN, DRAINED or FAILED) and how
+    many it needs (the low end of its ``NumNodes``); None when Slurm cannot say."""
+    try:
+        job = slurm.show_job(job_id)
+        partition = job.get("Partition", "").split(",")[0]
+        needed = int(job.get("NumNodes", "").split("-")[0])
+        out = slurm.run_slurm(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"]) if partition else ""
+    except (SlurmError, ValueError):
+        return None
+    usable = {
+        name
+        for name, _, state in (line.partition("|") for line in out.splitlines())
+        if name and not state.rstrip("*~#!%$@^-").startswith(("down", "drain", "fail"))
+    }
+    return Capacity(frozenset(usable), needed) if usable else None
