@@ -27,6 +27,8 @@ from hpcelastic.agent.stop_step import REPORT_TIMEOUT_S, stop_step
 from hpcelastic.events import Event
 from hpcelastic.hangs.localize import Localization, localize
 from hpcelastic.hangs.stacks import ProcessStack, python_traceback, stack_from_json
+from hpcelastic.lifecycle.history import root_cause_signature
+from hpcelastic.lifecycle.progress import LONG_RUN_S
 from hpcelastic.reasons import Named, Reason, RestartCause
 
 STOP_TIMEOUT_EXTRA = 15.0
@@ -36,6 +38,11 @@ STOP_TIMEOUT_EXTRA = 15.0
 SIGNAL_SETTLE_S = 2.0
 #: How long the coordinator waits for every node's stacks once all ranks stalled.
 STACKS_TIMEOUT = 25.0
+#: Suspect yourself first: when the coordinator loses two or more agents, more than this share of the
+#: other nodes, within SUSPECT_SELF_WINDOW_S of each other, its own node (its link) is the likelier
+#: cause, and none of them is named a bad node for the next attempt.
+SUSPECT_SELF_SHARE = 0.5
+SUSPECT_SELF_WINDOW_S = 10.0
 
 
 class Phase(Named):
@@ -161,7 +168,10 @@ class JobState:
         self.failures: list[dict[str, Any]] = []
         self.lost_in_round: list[LostNode] = []
         self.bad_nodes: list[str] = []
-        self.lost_hosts: list[str] = []
+        #: (host, time) of agents that vanished (connection closed or silent): suspects, see :meth:`suspects`.
+        self.vanished: list[tuple[str, float]] = []
+        #: The previous round's root-cause signature, if it failed before any progress (a start-up failure).
+        self.startup_failure: str | None = None
         self.departed: set[int] = set()
         #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
         self.leaving: dict[int, tuple[str, float]] = {}
@@ -552,10 +562,33 @@ class JobState:
         attempt; one a signal stopped (Slurm ending the step) is neither."""
         if unhealthy:
             self.bad_nodes.append(member.host)
-        if signalled_at is None:
-            self.lost_hosts.append(member.host)
+        actions: list[Action] = [
+            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
+        ]
+        if signalled_at is None and not unhealthy:
+            before = len(self.suspects())
+            self.vanished.append((member.host, self._now()))
+            if len(self.suspects()) < before + 1:
+                actions.append(Say(self._suspect_self_text()))
         self.departed.add(node_rank)
-        return [Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))]
+        return actions
+
+    def suspects(self) -> list[str]:
+        """The vanished nodes held against themselves: all but those lost together with most others
+        (:data:`SUSPECT_SELF_SHARE` within :data:`SUSPECT_SELF_WINDOW_S`): this node's link explains those."""
+        others = len(self.hosts) - 1
+        out = []
+        for host, t in self.vanished:
+            together = sum(1 for _, u in self.vanished if abs(u - t) <= SUSPECT_SELF_WINDOW_S)
+            if together < 2 or together <= SUSPECT_SELF_SHARE * others:
+                out.append(host)
+        return out
+
+    def _suspect_self_text(self) -> str:
+        return (
+            f"{len(self.vanished)} of the {len(self.hosts) - 1} other nodes went silent at once: this node's "
+            "own network is the likelier cause, so none of them is excluded next time"
+        )
 
     def _begin_stop(self, reason: RestartCause) -> list[Action]:
         self.phase = Phase.STOPPING
@@ -571,6 +604,9 @@ class JobState:
             return self._finish(Reason.PREEMPTED)
         else:
             actions = self._last_progress() + self._root_cause()
+            repeated = self._repeated_startup_failure()
+            if repeated:
+                return actions + self._finish(Reason.STARTUP_FAILURE, repeated)
         if 0 not in self.members:
             if self.hosts[0] in self.bad_nodes:
                 return actions + self._finish(Reason.NODE_UNHEALTHY, "the coordinator's node is unhealthy")
@@ -606,28 +642,60 @@ class JobState:
         return actions + self._start_round()
 
     def _root_cause(self) -> list[Action]:
-        """The round's first failure, job-wide: a vanished node before any worker failure (its loss
-        explains them); else a worker failure the stop signal does not explain; else the first node a
-        signal stopped. None when a signal stopped every node of the round: whoever sent it (Slurm:
-        cancel, preemption, time limit) ends the attempt, and ``finalize`` asks Slurm why."""
-        if self._all_signalled():
+        """The round's root cause as an event and a line (see :meth:`_round_cause`)."""
+        found = self._round_cause()
+        if found is None:
             return []
-        lost = self._first_lost()
-        failures = [f for f in self.failures if not self._follows_the_stop(f)]
-        if lost is not None and (not lost.signalled or not failures):
-            cause: dict[str, Any] = {"round": self.round, "node_rank": lost.node_rank, "node": lost.node}
-            cause["error"] = f"node lost: {lost.reason}"
-            traceback, exit_ts = "", lost.ts
-        elif failures:
-            cause = min(failures, key=lambda f: f.get("ts") or 0.0)
-            traceback, exit_ts = cause.get("traceback") or "", cause.get("ts")
-        else:
-            return []
+        cause, traceback, exit_ts = found
         where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
         text = f"root cause (round {self.round}): {where}: {cause['error']}"
         if traceback:
             text += "\n" + traceback.rstrip()
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
+
+    def _round_cause(self) -> tuple[dict[str, Any], str, float | None] | None:
+        """The round's first failure (cause, traceback, time), job-wide: a vanished node before any
+        worker failure (its loss explains them); else a worker failure the stop signal does not explain;
+        else the first node a signal stopped. None when a signal stopped every node of the round: whoever
+        sent it (Slurm: cancel, preemption, time limit) ends the attempt, and ``finalize`` asks Slurm why."""
+        if self._all_signalled():
+            return None
+        lost = self._first_lost()
+        failures = [f for f in self.failures if not self._follows_the_stop(f)]
+        if lost is not None and (not lost.signalled or not failures):
+            cause: dict[str, Any] = {"round": self.round, "node_rank": lost.node_rank, "node": lost.node}
+            cause["error"] = f"node lost: {lost.reason}"
+            return cause, "", lost.ts
+        if failures:
+            cause = min(failures, key=lambda f: f.get("ts") or 0.0)
+            return cause, cause.get("traceback") or "", cause.get("ts")
+        return None
+
+    def _repeated_startup_failure(self) -> str | None:
+        """Why the attempt stops restarting, when this round and the one before failed the same way before
+        any progress: no rank reached a step and the workers ran less than ``LONG_RUN_S``. Only a
+        failure of the script itself counts (an exception or an exit code, on any rank): a node lost or a
+        signal (an OOM kill) is not the script's doing, and keeps the restart budget."""
+        found = self._round_cause()
+        previous, self.startup_failure = self.startup_failure, None
+        if found is None:
+            return None
+        cause, traceback, exit_ts = found
+        script_failed = not cause.get("signal") and not str(cause.get("error", "")).startswith(
+            ("node lost", "stalled")
+        )
+        began = min(self.started.values(), default=None)
+        early = began is not None and exit_ts is not None and exit_ts - began < LONG_RUN_S
+        if not (script_failed and early and self.steps.step is None):
+            return None
+        signature = root_cause_signature({**cause, "traceback": traceback})
+        self.startup_failure = signature
+        if previous is None or previous != signature:
+            return None
+        return (
+            f"round {self.round} failed at start-up exactly like round {self.round - 1} (same error, no step "
+            "reached); not restarting again: fix the script"
+        )
 
     def _first_lost(self) -> LostNode | None:
         """The round's first vanished node, else the first a signal stopped."""
@@ -660,8 +728,8 @@ class JobState:
         last = self._last_progress()
         self.phase = Phase.FINISHED
         # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
-        # failed a health check: the next attempt should not be placed on it either.
-        bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.lost_hosts]))
+        # failed a health check, unless most others vanished with it (see ``suspects``).
+        bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.suspects()]))
         self.result = messages.Finish(reason, message, bad_nodes)
         return [*last, *(Send(n, self.result) for n in sorted(self.members))]
 
