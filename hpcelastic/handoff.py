@@ -21,6 +21,7 @@ from typing import Any
 
 from hpcelastic import events
 from hpcelastic.errors import UserError
+from hpcelastic.lifecycle.cancel import is_cancelled
 from hpcelastic.rundir import RunDir, write_json_atomic
 
 VERSION = 1
@@ -186,14 +187,16 @@ def begin_attempt(
     Rank 0 calls it once per allocation. The same ``job_id`` and restart count return the
     same attempt without a new event, so re-running it in one allocation (agent, then
     ``finalize``) never bumps the number. A new allocation gets the next number and an
-    ``attempt_started`` event.
+    ``attempt_started`` event, unless the run was cancelled (a requeue or resubmission raced the
+    cancel): then no attempt begins and the last one's number is returned.
     """
     rd = _rundir(run_dir)
     with rd.locked("handoff"):
         for stale in rd.path.glob(f".{rd.handoff_path.name}.*"):  # temp files of writers killed mid-write
             stale.unlink(missing_ok=True)
         rec, _ = _read(rd, repair=True)
-        if rec.job_id == str(job_id) and rec.restart_count_slurm == int(slurm_restart_count):
+        same = rec.job_id == str(job_id) and rec.restart_count_slurm == int(slurm_restart_count)
+        if same or is_cancelled(rd):
             return rec.attempt
         if rec.started:
             rec.attempt += 1

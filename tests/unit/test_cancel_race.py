@@ -128,5 +128,6 @@ def test_an_attempt_of_a_cancelled_run_does_not_start(rd: RunDir, monkeypatch: p
     mark_cancelled(rd)
     assert _start(rd, 1, environ) and cancelled == []
     assert _start(rd, 0, environ) and cancelled == ["123"]
-    assert handoff.load(rd).attempt == 0  # no new attempt began
+    assert handoff.begin_attempt(rd, "123", 1) == 0  # finalize in the job begins no attempt either
+    assert handoff.load(rd).attempt == 0 and len(rd.events().of(events.ATTEMPT_STARTED)) == 1
     assert [e["job_id"] for e in rd.events().of(events.CANCELLED)] == ["123"]
