@@ -439,3 +439,21 @@ def progress(*, attempt: int, round: int, step: int, step_ts: float, mark: Progr
     a step was reported since the previous mark.
     """
     return _event(PROGRESS, attempt=attempt, round=round, step=step, step_ts=step_ts, mark=mark, ranks=ranks)
+
+
+# ---- the stop signal (issue 18): a rank that trains past the job's stop step -------------------
+class StopEventName(Named):
+    """Events of the agents' stop path, recorded like :class:`EventName`'s (to join it)."""
+
+    STOP_IGNORED = "stop_ignored"
+
+
+STOP_IGNORED = StopEventName.STOP_IGNORED
+
+
+def stop_ignored(*, attempt: int, round: int, rank: int, node_rank: int, step: int, stop_step: int) -> Event:
+    """Rank ``rank`` reported ``step``, past the job's ``stop_step``, after the stop reached it: it calls
+    ``heartbeat()`` but not ``should_stop()``. Its agent stopped it (SIGTERM to its tree) as soon as it
+    held no checkpoint file open for writing; the steps after ``stop_step`` are lost."""
+    fields = {"attempt": attempt, "round": round, "rank": rank, "node_rank": node_rank}
+    return Event(STOP_IGNORED, fields | {"step": step, "stop_step": stop_step})  # type: ignore[arg-type]

@@ -31,6 +31,18 @@ from hpcelastic.reasons import Reason
 
 #: How long the end of an attempt waits for the coordinator's queued events to reach the run directory.
 EVENT_FLUSH_TIMEOUT = 10.0
+#: While stopping: how often the agent looks for workers it must stop itself (see :func:`ignores_stop`).
+STOP_CHECK_INTERVAL = 0.25
+#: A worker is stopped only when no file in the checkpoint dir was open for writing for this long.
+STOP_QUIET_S = 0.5
+
+
+def ignores_stop(step: int | None, stop_step: int | None, step_at_stop: int | None) -> bool:
+    """A rank that trains past the job's stop step: it reported a step beyond it that it began after the
+    stop step reached it (one more than where it stood when the stop file was written)."""
+    if step is None or stop_step is None:
+        return False
+    return step > max(stop_step, -1 if step_at_stop is None else step_at_stop + 1)
 
 
 class State(enum.Enum):
@@ -58,6 +70,12 @@ class NodeLoop:
         self.hangs = HangWatch(stall_timeout, rt.inbox.wake.ring) if stall_timeout else None
         self.step_rate = StepRate()
         self.steps_reported = False
+        #: While stopping: ranks without a handler for the stop signal (never sent it), the stop step
+        #: written into the stop file, each rank's step then, and the ranks this agent stopped itself.
+        self.uncaught: set[int] = set()
+        self.stop_at: int | None = None
+        self.steps_at_stop: dict[int, int | None] = {}
+        self.stopped_here: set[int] = set()
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -88,11 +106,12 @@ class NodeLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         rt, stall_timeout = self.rt, self.rt.spec.stall_timeout
-        next_stall = next_health = time.monotonic()
+        next_stall = next_health = next_stop_check = time.monotonic()
         while self.exit_code is None:
             deadlines = [next_stall] if stall_timeout else []
             deadlines += [next_health] if rt.health is not None else []
             deadlines += [self.stop_deadline] if self.stop_deadline is not None else []
+            deadlines += [next_stop_check] if self.state == State.STOPPING else []
             now = time.monotonic()
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
             ready = rt.selector.select(timeout)
@@ -120,6 +139,9 @@ class NodeLoop:
                 self._check_health()
             if self.stop_deadline is not None and now >= self.stop_deadline:
                 self._finish_preempt_stop()
+            if self.state == State.STOPPING and now >= next_stop_check:
+                next_stop_check = now + STOP_CHECK_INTERVAL
+                self._stop_when_not_saving()
 
     def _drain_messages(self) -> None:
         while self.exit_code is None and (msg := self.rt.inbox.take()) is not None:
@@ -235,13 +257,17 @@ class NodeLoop:
         if self.round.num_replica_groups and self.hangs is not None and self.hangs.available:
             return  # a group waits in torchft's quorum while a peer restarts: the coordinator judges groups
         group = self.rt.group
+        group.note_saves()
         stalled = group.stalled(stall_timeout)
         if not stalled:
             return
         failures = []
         for w in stalled:
             w.exit_ts = time.time()
-            error = f"stalled: no heartbeat for more than {stall_timeout:g} s (last step {w.step})"
+            error = (
+                f"stalled: no heartbeat from any rank of this node for more than {stall_timeout:g} s "
+                f"(last step {w.step})"
+            )
             failures.append(group.failure(w, error=error))
         self._flush_steps()
         self.rt.client.send(messages.Failed(self.round.round, tuple(failures)))
@@ -293,8 +319,11 @@ class NodeLoop:
         rt = self.rt
         if not self.preempting:
             self.preempting = True
-            rt.group.signal_all(rt.spec.stop_signal)
+            self.uncaught = {w.rank for w in rt.group.signal_catching(rt.spec.stop_signal)}
             rt.say(f"{signame}: asked the workers to stop (grace {rt.spec.grace_period:g} s)")
+            if self.uncaught:
+                ranks = ", ".join(map(str, sorted(self.uncaught)))
+                rt.say(f"rank(s) {ranks} have no {signame} handler: stopped when not saving a checkpoint")
         if local:
             rt.client.send(messages.PreemptSignal(signame))
         self._report_steps()
@@ -320,7 +349,10 @@ class NodeLoop:
             self._write_stop_file(msg.step)
 
     def _write_stop_file(self, step: int | None) -> None:
-        """The attempt's stop file, replaced whole (workers never read half of it)."""
+        """The attempt's stop file, replaced whole (workers never read half of it); remembers the step
+        (none: this node's highest, where every rank that reports steps stops now) and each rank's step."""
+        self.stop_at = step if step is not None else self.step_rate.step
+        self.steps_at_stop = {w.rank: w.step for w in self.rt.group.running()}
         path = self.rt.stop_file
         tmp = path.with_name(f".{path.name}.{self.rt.ctx.node_rank}.{os.getpid()}.tmp")
         with contextlib.suppress(OSError):
@@ -328,6 +360,37 @@ class NodeLoop:
             with os.fdopen(fd, "w") as f:
                 f.write(stop_file_text(step))
             os.replace(tmp, path)
+
+    def _stop_when_not_saving(self) -> None:
+        """Stop, while grace remains, the workers that will not stop on their own (no handler for the stop
+        signal, or training past the stop step), each once it holds no checkpoint file open for writing."""
+        group = self.rt.group
+        group.note_saves()
+        now = time.monotonic()
+        for w in group.running():
+            if w.rank in self.stopped_here or (w.last_save is not None and now - w.last_save < STOP_QUIET_S):
+                continue
+            ignored = ignores_stop(w.step, self.stop_at, self.steps_at_stop.get(w.rank))
+            if w.rank not in self.uncaught and not ignored:
+                continue
+            if ignored and self.stop_at is not None and w.step is not None:
+                self._record_stop_ignored(w.rank, w.step, self.stop_at)
+            self.stopped_here.add(w.rank)
+            group.terminate(w)
+
+    def _record_stop_ignored(self, rank: int, step: int, stop_step: int) -> None:
+        rt = self.rt
+        rt.say(f"rank {rank} trained on to step {step}, past the stop step {stop_step}: stopping it")
+        rnd = self.round.round if self.round is not None else -1
+        event = events.stop_ignored(
+            attempt=rt.attempt,
+            round=rnd,
+            rank=rank,
+            node_rank=rt.ctx.node_rank,
+            step=step,
+            stop_step=stop_step,
+        )
+        rt.run_dir.record(event, host=rt.ctx.host)
 
     def _finish_preempt_stop(self) -> None:
         """Workers are gone (or the grace period is over): report this node stopped."""

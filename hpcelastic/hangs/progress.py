@@ -17,7 +17,9 @@ writes bytes and changes stacks while the others wait in a barrier; a slow first
 or allocates with changing stacks) nothing is declared. ``grace_s`` postpones the first possible stall of a
 rank after its first sample (a first step that sits in one native call longer than the timeout).
 
-A rank that sends ``heartbeat(step)`` is judged on its heartbeats alone: the script says what progress is.
+A rank that sends ``heartbeat(step)`` is judged on its heartbeats and the bytes it moves: the script says
+what a step is, and a checkpoint save between two heartbeats writes (a save longer than the timeout on
+rank 0, the others waiting in a barrier, is no hang).
 Sampling I/O lives in :mod:`hpcelastic.hangs.pyspy`; :class:`ProgressTracker` only decides.
 """
 
@@ -65,22 +67,26 @@ class ProgressTracker:
     def observe(self, rank: int, sample: Sample, now: float) -> set[int]:
         """Record a sample of ``rank``; returns the ranks stalled at ``now``."""
         r = self._rank(rank, now)
-        if r.heartbeat_step is None and r.last is not None and self._progressed(r.last, sample):
+        if r.last is not None and self._progressed(r.last, sample, beats=r.heartbeat_step is not None):
             r.last_progress = max(r.last_progress, now)
         r.last = sample
         r.stack_seen = r.stack_seen or sample.key is not None or sample.stopped
         return self.stalled(now)
 
     def heartbeat(self, rank: int, step: int, now: float) -> None:
-        """A ``heartbeat(step)`` from the worker API: from now on this rank is judged on heartbeats."""
+        """A ``heartbeat(step)`` from the worker API: from now on this rank is judged on heartbeats (and
+        I/O: its saves)."""
         r = self._rank(rank, now)
         if r.heartbeat_step is None or step != r.heartbeat_step:
             r.last_progress = max(r.last_progress, now)
         r.heartbeat_step = step
 
-    def _progressed(self, before: Sample, after: Sample) -> bool:
+    def _progressed(self, before: Sample, after: Sample, *, beats: bool = False) -> bool:
+        """Progress between two samples; a rank that sends heartbeats only by the bytes it moved."""
         if after.stopped:
             return False
+        if beats:
+            return after.io_bytes > before.io_bytes
         return (
             (after.key is not None and before.key is not None and after.key != before.key)
             or after.io_bytes > before.io_bytes

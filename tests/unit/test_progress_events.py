@@ -9,6 +9,7 @@ from hpcelastic import events as ev
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import Action, Record
 from hpcelastic.agent.progress import StepReporter
+from hpcelastic.hangs.progress import ProgressTracker, Sample
 from tests.unit.test_job_state import Clock, failure, join_all, make, stop_all
 
 
@@ -91,3 +92,19 @@ def test_last_mark_when_the_job_succeeds_and_none_without_new_steps() -> None:
     quiet.progress(0, 0, 1, 1000.0, 2)
     quiet.workers_done(0, 0)
     assert marks(quiet.workers_done(1, 0)) == []  # the first mark already says step 1
+
+
+def test_a_rank_with_heartbeats_that_writes_a_checkpoint_is_no_hang() -> None:
+    """Rank 0 saves for longer than the stall timeout (its bytes written grow), rank 1 waits for it in a
+    barrier: the job is not hung. Before, heartbeat ranks were judged on heartbeats alone."""
+    tracker = ProgressTracker(stall_timeout=10.0)
+    for rank in (0, 1):
+        tracker.heartbeat(rank, 100, now=0.0)
+        tracker.observe(rank, Sample(key="save", io_bytes=0), now=0.0)
+    for t in range(2, 40, 2):
+        tracker.observe(0, Sample(key="save", io_bytes=t * 1_000_000), now=float(t))
+        tracker.observe(1, Sample(key="barrier", io_bytes=0), now=float(t))
+        assert not tracker.job_stalled(float(t)), t
+    assert tracker.stalled(38.0) == {1}
+    tracker.observe(0, Sample(key="save", io_bytes=38_000_000), now=50.0)
+    assert tracker.job_stalled(50.0)  # the save is over and no heartbeat follows: hung

@@ -15,6 +15,7 @@ import pytest
 
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import Phase
+from hpcelastic.agent.loop import ignores_stop
 from hpcelastic.agent.stop_step import StepRate, stop_step
 from tests.unit.test_job_state import Clock, join_all, make, sends
 
@@ -178,3 +179,11 @@ def test_a_stop_signal_inside_the_stop_path_cannot_freeze_the_rank(tmp_path: Pat
         [sys.executable, "-c", STORM, "30000"], env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_rank_ignores_the_stop_once_it_reports_a_step_it_began_after_the_stop_step_reached_it() -> None:
+    assert not ignores_stop(12, 12, 9)  # stopped after the stop step: obeyed
+    assert ignores_stop(13, 12, 9)  # one step past it
+    assert not ignores_stop(16, 12, 15)  # already past when the file came: its step then, and one more
+    assert ignores_stop(17, 12, 15)
+    assert not ignores_stop(None, 12, None) and not ignores_stop(20, None, 3)  # no steps, no stop step

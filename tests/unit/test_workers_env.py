@@ -8,7 +8,9 @@ import io
 import json
 import os
 import selectors
+import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +21,8 @@ from hpcelastic.agent.workers import (
     WorkerConfig,
     WorkerGroup,
     _copy_lines,
+    catches,
+    node_stalled,
     read_error_file,
     traceback_from_tail,
     worker_env,
@@ -240,3 +244,65 @@ def test_torchft_info_lines_stay_in_the_rank_log(tmp_path: Path) -> None:
         _copy_lines(io.BytesIO(b"".join(lines)), log, b"[rank0]: ", collections.deque(), out.fileno())
     assert log.getvalue() == b"".join(lines)
     assert shown.read_bytes() == b"[rank0]: step 3 loss 0.5\n[rank0]: " + lines[3]
+
+
+# ---- what the agent reads in /proc before it stops a worker (issue 18, items 4 and 5) -------------
+# Rank 0 has no handler for USR2; rank 1 has one (it writes a file) and keeps a checkpoint file open.
+HANDLERS = """
+import os, signal, sys, time
+rank, out = int(os.environ["RANK"]), sys.argv[1]
+if rank % 2:
+    signal.signal(signal.SIGUSR2, lambda *a: open(os.path.join(out, "usr2"), "w").close())
+    ckpt = open(os.path.join(os.environ["HPCELASTIC_CHECKPOINT_DIR"], "step-5.pt"), "ab")
+    open(os.path.join(os.environ["HPCELASTIC_CHECKPOINT_DIR"], "old.pt"), "ab").close()
+    reading = open(os.path.join(os.environ["HPCELASTIC_CHECKPOINT_DIR"], "old.pt"), "rb")
+open(os.path.join(out, f"ready-{rank}"), "w").close()
+time.sleep(30)
+"""
+
+
+def test_only_workers_with_a_handler_get_the_stop_signal_and_saves_are_seen(tmp_path: Path) -> None:
+    """Workers start with the stop signal ignored; a worker without a handler (SigCgt) is not sent it and
+    survives it; a file in the checkpoint dir open for writing (not one open for reading) is a save."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = dataclasses.replace(config(tmp_path), argv=(sys.executable, "-c", HANDLERS, str(out)))
+    cfg.checkpoint_dir.mkdir()
+    watchdog, devnull = Watchdog(), os.open(os.devnull, os.O_WRONLY)
+    try:
+        with selectors.DefaultSelector() as sel:
+            group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull)
+            group.start(ROUND)
+            deadline = time.monotonic() + 30
+            while len(list(out.glob("ready-*"))) < 2:
+                assert time.monotonic() < deadline, "the workers did not start"
+                time.sleep(0.05)
+            plain, handler = group.workers
+            assert [w.rank for w in group.signal_catching(signal.SIGUSR2)] == [plain.rank]
+            while not (out / "usr2").exists():
+                assert time.monotonic() < deadline, "the worker with a handler was not sent the signal"
+                time.sleep(0.05)
+            os.kill(plain.proc.pid, signal.SIGUSR2)  # Slurm's signal: ignored, not fatal
+            time.sleep(0.2)
+            assert plain.proc.poll() is None
+            assert group.saving(plain) == []
+            assert group.saving(handler) == [str(cfg.checkpoint_dir / "step-5.pt")]
+            group.note_saves()
+            assert plain.last_save is None and handler.last_save is not None
+            group.stop(1.0)
+    finally:
+        watchdog.close()
+        os.close(devnull)
+
+
+def test_a_node_stalls_only_when_every_rank_does() -> None:
+    assert node_stalled([1.0, 2.0], timeout=5.0, now=10.0)
+    assert not node_stalled([1.0, 9.0], timeout=5.0, now=10.0)  # one rank works (or saves)
+    assert not node_stalled([1.0, None], timeout=5.0, now=10.0)  # one rank never showed activity
+    assert not node_stalled([], timeout=5.0, now=10.0)
+
+
+def test_sigcgt_is_read_bit_by_signal() -> None:
+    assert catches(os.getpid(), signal.SIGINT)  # Python's KeyboardInterrupt handler
+    assert not catches(os.getpid(), signal.SIGUSR2)
+    assert not catches(2**22 + 12345, signal.SIGINT)  # no such process
