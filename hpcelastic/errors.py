@@ -16,6 +16,7 @@ EXIT_STOPPED_FOR_REQUEUE = 5
 EXIT_COORDINATOR_LOST = 6
 EXIT_NODE_UNHEALTHY = 7
 EXIT_STARTUP_FAILURE = 8
+EXIT_STEP_FAILED = 9
 
 EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_OK: "all workers finished successfully",
@@ -27,6 +28,7 @@ EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_COORDINATOR_LOST: "the coordinator (group rank 0 agent) was lost",
     EXIT_NODE_UNHEALTHY: "a GPU health check failed; the node was marked bad",
     EXIT_STARTUP_FAILURE: "workers failed identically before training started; not requeued",
+    EXIT_STEP_FAILED: "the job step failed before any agent began the attempt (srun's own error); requeued",
 }
 
 

@@ -15,6 +15,7 @@ from hpcelastic.errors import (
     EXIT_OK,
     EXIT_RESTARTS_EXHAUSTED,
     EXIT_STARTUP_FAILURE,
+    EXIT_STEP_FAILED,
     EXIT_STOPPED_FOR_REQUEUE,
     EXIT_TOO_FEW_NODES,
 )
@@ -46,6 +47,9 @@ class Reason(Named):
     NODE_UNHEALTHY = ("node_unhealthy", EXIT_NODE_UNHEALTHY)
     COORDINATOR_LOST = ("coordinator_lost", EXIT_COORDINATOR_LOST)
     STARTUP_FAILURE = ("startup_failure", EXIT_STARTUP_FAILURE)
+    #: The job step ended before any agent began the attempt: srun could not create it, or the agents
+    #: failed before they met (no coordinator address); a failure, never a lost coordinator.
+    STEP_FAILED = ("step_failed", EXIT_STEP_FAILED)
 
     @property
     def is_stop(self) -> bool:

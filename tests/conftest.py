@@ -32,3 +32,18 @@ def slurm_jobs(slurm_cluster: dict[str, object]) -> Iterator[list[str]]:
     yield jobs
     if jobs:
         subprocess.run(["scancel", *jobs], capture_output=True, check=False)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_gres(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every Slurm test: no node of a running testbed instance holds GRES of a job that ended
+    (``tests.slurm_utils.leaked_gres``; nodes that leaked before the test began are not its doing)."""
+    if request.node.get_closest_marker("slurm") is None:
+        yield
+        return
+    from tests.slurm_utils import leaked_gres_everywhere
+
+    before = leaked_gres_everywhere(timeout=0)
+    yield
+    new = leaked_gres_everywhere(known=before)
+    assert not new, f"GRES still allocated on nodes without a job (scontrol -d show node GresUsed): {new}"

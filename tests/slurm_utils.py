@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,71 @@ def wait_nodes_idle(count: int = 4, timeout: float = 120.0) -> None:
             return
         time.sleep(0.5)
     raise AssertionError(f"only {idle} of {count} nodes idle after {timeout:.0f} s")
+
+
+def gres_count(text: str) -> int:
+    """The GRES a ``GresUsed`` value of ``scontrol -d show node`` counts: ``gpu:2(IDX:0,2),mps:0`` -> 2."""
+    counts = (item.rsplit(":", 1)[-1] for item in re.sub(r"\([^)]*\)", "", text).split(","))
+    return sum(int(c) for c in counts if c.isdigit())
+
+
+def leaked_gres(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Nodes whose GRES Slurm counts as used while no job holds a CPU there: ``{node: GresUsed}``.
+
+    ``env``: the environment of the Slurm commands (its ``SLURM_CONF`` picks the testbed instance).
+    Slurm frees a job's CPUs and GRES together, so a node with GRES in use and none of its CPUs
+    allocated holds GRES of a job that ended: the next job's step there fails with ``Invalid generic
+    resource (gres) specification`` (Slurm 22.05, issue 18).
+    """
+    argv = ["scontrol", "-d", "show", "node", "-o"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+    leaks = {}
+    for line in proc.stdout.splitlines():
+        node = parse_scontrol_record(line)
+        used = node.get("GresUsed", "")
+        if gres_count(used) and node.get("CPUAlloc", "0") == "0":
+            leaks[node.get("NodeName", "?")] = used
+    return leaks
+
+
+def wait_no_leaked_gres(
+    env: Mapping[str, str] | None = None, timeout: float = 30.0, known: Collection[str] = ()
+) -> dict[str, str]:
+    """Wait until no node but the ``known`` ones holds leaked GRES (:func:`leaked_gres`); the leaks left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leaks = {node: used for node, used in leaked_gres(env).items() if node not in known}
+        if not leaks or time.monotonic() >= deadline:
+            return leaks
+        time.sleep(0.5)
+
+
+def testbed_confs() -> list[Path]:
+    """The ``slurm.conf`` of every testbed instance configured on this machine (default first)."""
+    found = [
+        Path("/etc/slurm/slurm.conf"),
+        *sorted(Path("/var/lib").glob("hpcelastic-testbed-*/etc/slurm.conf")),
+    ]
+    return [p for p in found if p.is_file()]
+
+
+def leaked_gres_everywhere(
+    timeout: float = 30.0, known: Mapping[str, Collection[str]] | None = None
+) -> dict[str, dict[str, str]]:
+    """:func:`wait_no_leaked_gres` on every running testbed instance; ``{slurm.conf: leaks}``.
+
+    ``known``: leaks seen earlier (an earlier result), neither waited for nor reported again.
+    """
+    known = known or {}
+    found = {}
+    for conf in testbed_confs():
+        env = dict(os.environ, SLURM_CONF=str(conf))
+        if subprocess.run(["scontrol", "ping"], capture_output=True, env=env, timeout=30).returncode != 0:
+            continue  # instance not running
+        leaks = wait_no_leaked_gres(env, timeout, known.get(str(conf), ()))
+        if leaks:
+            found[str(conf)] = leaks
+    return found
 
 
 REPO = Path(__file__).resolve().parents[1]
