@@ -12,7 +12,9 @@ and however often the run is interrupted, because:
 * rank 0 checkpoints (parameters, momentum, step) at step boundaries, writes to a
   temporary file, renames it into place, and only then publishes it.
 
-It runs unchanged under torchrun, ``hpcelastic run`` and ``hpcelastic agent``.
+It runs unchanged under torchrun, ``hpcelastic run`` and ``hpcelastic agent``. With ``--plain`` it is
+an unchanged torchrun script: it does not use ``hpcelastic.worker`` at all (no heartbeat, no published
+checkpoint, no stop request), saves into ``--ckpt-dir`` and resumes from the newest file there itself.
 Fault injection (for the tests) is driven by ``--fault`` and fires only in the chosen
 attempt and restart round, so the recovered run can finish.
 
@@ -60,6 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--step-time", type=float, default=0.0, help="sleep per step, seconds")
     p.add_argument("--out", default=None, help="where rank 0 writes final.json (default: checkpoint dir)")
+    p.add_argument("--plain", action="store_true", help="an unchanged script: no hpcelastic.worker calls")
+    p.add_argument("--ckpt-dir", default=None, help="with --plain: where checkpoints are saved and found")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-step", type=int, default=10)
     p.add_argument("--fault-rank", default="1", help="rank(s) that inject the fault, e.g. 1 or 1,3")
@@ -144,8 +148,16 @@ def save_checkpoint(path: Path, model: torch.nn.Module, momentum: list[torch.Ten
     os.replace(tmp, path)
 
 
+def newest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """What an unchanged script resumes from: the newest complete ``step-*.pt`` it saved itself."""
+    found = sorted(ckpt_dir.glob("step-*.pt"))
+    return found[-1] if found else None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.plain and not args.ckpt_dir:
+        raise SystemExit("--plain needs --ckpt-dir")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fault == "startup" and fault_armed(args, rank):
         raise ImportError("injected start-up failure: no module named 'missing_dependency'")
@@ -157,13 +169,15 @@ def main(argv: list[str]) -> int:
     model = make_model(args.seed)
     momentum = [torch.zeros_like(p) for p in model.parameters()]
     start = 0
-    resume = worker.resume_path()
+    ckpt_dir = Path(args.ckpt_dir) if args.plain else Path(worker.checkpoint_dir())
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    resume = newest_checkpoint(ckpt_dir) if args.plain else worker.resume_path()
     if resume:
         state = torch.load(resume, weights_only=True)
         model.load_state_dict(state["model"])
         momentum = state["momentum"]
         start = state["step"]
-    ckpt_dir = Path(worker.checkpoint_dir())
+        print(f"resuming from {resume} at step {start}", flush=True)
     per_rank = GLOBAL_BATCH // world
     for step in range(start, args.steps):
         in_step_fault = args.fault not in ("ckpt-crash", "startup", "init")
@@ -188,12 +202,13 @@ def main(argv: list[str]) -> int:
                 offset += p.numel()
                 m.mul_(0.9).add_(g)
                 p.sub_(args.lr * m)
-        worker.heartbeat(step + 1)
+        if not args.plain:
+            worker.heartbeat(step + 1)
         if args.step_time:
             time.sleep(args.step_time)
         done = step + 1
         # Ranks must agree on stopping at the same step, or the next collective hangs.
-        stop_flag = torch.tensor([1 if worker.should_stop() else 0])
+        stop_flag = torch.tensor([1 if not args.plain and worker.should_stop() else 0])
         dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
         stop = bool(stop_flag.item())
         if done % args.ckpt_every == 0 or done == args.steps or stop:
@@ -203,7 +218,8 @@ def main(argv: list[str]) -> int:
                     path.with_name(path.name + ".tmp").write_bytes(b"torn")  # half-written, never published
                     os._exit(15)
                 save_checkpoint(path, model, momentum, done)
-                worker.publish_checkpoint(path, done)
+                if not args.plain:
+                    worker.publish_checkpoint(path, done)
             dist.barrier()
         if stop:
             print(f"stopping at step {done} on request; checkpoint published", flush=True)
