@@ -9,6 +9,7 @@ Layout (see docs/ARCHITECTURE.md)::
     <run>/events.<host>.jsonl  append-only event log of the writers on one host, one JSON object a line
     <run>/events.jsonl     the event log of runs written before per-host files (still read)
     <run>/handoff.json     latest published checkpoint, attempt, last end reason
+    <run>/local.json       ``hpcelastic run`` only: its host and process ids (is the run alive?)
     <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs
     <run>/slurm-<jobid>.out               the batch step's output (--open-mode=append)
 
@@ -123,6 +124,10 @@ class RunDir:
     events_path = property(lambda self: self.path / _host_file_name(socket.gethostname()))
     handoff_path = property(lambda self: self.path / "handoff.json")
     logs_path = property(lambda self: self.path / "logs")
+    #: ``hpcelastic run``'s processes (agent/launcher.py), so that ``status`` can tell whether they live.
+    local_path = property(lambda self: self.path / "local.json")
+    #: The job id of a run outside Slurm (``hpcelastic run``): it keys attempts like a Slurm job id.
+    local_job_id = property(lambda self: f"local-{self.path.name}")
 
     def attempt_log_dir(self, attempt: int) -> Path:
         """Directory of the per-rank logs of one attempt (created on demand)."""

@@ -1,11 +1,14 @@
 """What happened to a run: a timeline from its event log plus the current Slurm state.
 
 Cheap by design: the event log is one local file, and Slurm is asked once (one ``squeue`` for
-every job id the run ever had), however many attempts there were.
+every job id the run ever had), however many attempts there were. Whether the run still lives comes
+from Slurm (its latest job not ended) or, for ``hpcelastic run``, from its recorded processes: a dead
+run's time stops at its newest event.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -142,7 +145,11 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     events.REQUEUE_SKIPPED: lambda e: ("not requeued", str(e.get("detail") or e.get("reason"))),
     events.JOB_SUCCEEDED: lambda e: ("job succeeded", _exit(e.get("exit_code"))),
     events.JOB_FAILED: lambda e: ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})"),
-    events.CANCELLED: lambda e: ("cancelled", f"job {e.get('job_id')} by the user"),
+    events.CANCELLED: lambda e: (
+        ("stopped by the user", f"{e['signal']} to hpcelastic run")
+        if e.get("signal")
+        else ("cancelled", f"job {e.get('job_id')} by the user")
+    ),
     events.HANDOFF_CORRUPT: lambda e: (
         "handoff record rebuilt",
         f"{e.get('error')}; recovered checkpoint {e.get('recovered_checkpoint')}",
@@ -172,8 +179,22 @@ def _checkpoint_rows(batch: Sequence[Mapping[str, Any]]) -> Row:
     )
 
 
+#: How an agent that got a stop from the user leaves (agent/loop.py): the user's stop, not a lost node.
+_LEFT_ON_SIGNAL = re.compile(r"agent received SIG(INT|TERM|HUP)\b")
+
+
+def _shown(e: Mapping[str, Any], cancelled: bool) -> bool:
+    """Whether event ``e`` gets a row: a cancelled run's agents leaving on its signal are the cancel's."""
+    if e.get("event") in _QUIET:
+        return False
+    return not (
+        cancelled and e.get("event") == events.NODE_LOST and _LEFT_ON_SIGNAL.match(str(e.get("reason")))
+    )
+
+
 def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
     """The events as rows; consecutive checkpoint publications collapse into one row."""
+    cancelled = any(e.get("event") == events.CANCELLED for e in log)
     rows: list[Row] = []
     batch: list[Mapping[str, Any]] = []
     for e in log:
@@ -184,7 +205,7 @@ def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
         if batch:
             rows.append(_checkpoint_rows(batch))
             batch = []
-        if kind in _QUIET:
+        if not _shown(e, cancelled):
             continue
         render = _RENDER.get(EventName(kind)) if kind in _KNOWN else None
         shown = (
@@ -199,7 +220,9 @@ def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
     return rows
 
 
-def _outcome(log: EventLog, latest: slurm.JobState | None) -> str:
+def _outcome(log: EventLog, latest: slurm.JobState | None, local_alive: bool | None) -> str:
+    """The run's outcome from its decisions, else its latest Slurm job, else (``hpcelastic run``)
+    whether its processes live."""
     e = log.last(
         events.JOB_SUCCEEDED, events.JOB_FAILED, events.CANCELLED, events.REQUEUED, events.RESUBMITTED
     )
@@ -208,14 +231,33 @@ def _outcome(log: EventLog, latest: slurm.JobState | None) -> str:
     if e is not None and e["event"] == events.JOB_FAILED and e.get("reason") != JobEnd.CANCELLED:
         return f"failed ({e.get('reason')})"
     if e is not None and e["event"] in (events.JOB_FAILED, events.CANCELLED):
-        return "cancelled"
+        stop = log.last(events.CANCELLED)
+        return f"stopped by the user ({stop['signal']})" if stop and stop.get("signal") else "cancelled"
     if latest is None:
-        return "unknown"
+        return {True: "running", False: "killed: its processes are gone and it recorded no end"}.get(
+            local_alive, "unknown"
+        )
     if latest.state == "CANCELLED":  # scancelled by hand (pending, or before any decision)
         return "cancelled"
     if latest.state in slurm.ENDED_STATES:
         return f"ended ({latest.state.lower()})"
     return latest.state.lower()
+
+
+def _alive(
+    rd: RunDir, job_ids: Sequence[str], states: Mapping[str, slurm.JobState], error: str | None
+) -> bool | None:
+    """Whether the run still lives (None: cannot tell): its latest Slurm job has not ended, or, for
+    ``hpcelastic run``, one of its recorded processes still runs."""
+    if job_ids:
+        if error is not None:
+            return None
+        latest = states.get(job_ids[-1])
+        return latest is not None and latest.state not in slurm.ENDED_STATES
+    from hpcelastic.agent.launcher import read_processes
+
+    local = read_processes(rd)
+    return local.alive() if local is not None else None
 
 
 def build_status(
@@ -232,6 +274,7 @@ def build_status(
             states = query(job_ids)
         except SlurmError as e:
             error = str(e)
+    alive = _alive(rd, job_ids, states, error)
     attempts = [e["attempt"] for e in log.of(events.ATTEMPT_STARTED) if isinstance(e.get("attempt"), int)]
     published = log.last(events.CHECKPOINT_PUBLISHED)
     checkpoint = {k: published.get(k) for k in ("path", "step", "attempt", "rank")} if published else None
@@ -240,13 +283,13 @@ def build_status(
         job_ids=job_ids,
         latest_job_id=latest,
         attempt=max(attempts) if attempts else None,
-        outcome=_outcome(log, states.get(latest) if latest else None),
+        outcome=_outcome(log, states.get(latest) if latest else None, None if job_ids else alive),
         checkpoint=checkpoint,
         slurm={jid: {"state": s.state, "reason": s.reason, "nodes": s.nodes} for jid, s in states.items()},
         slurm_error=error,
         timeline=timeline(log),
         damaged_events=log.damaged,
-        ledger=build_ledger(log, now=time.time()),
+        ledger=build_ledger(log, now=None if alive is False else time.time()),  # a dead run's time stops
     )
 
 

@@ -300,5 +300,5 @@ def begin_attempt(run_dir: RunDir, ctx: NodeContext, environ: Mapping[str, str])
     Every agent calls it; under the record's lock the first caller of a new allocation
     (job id + Slurm restart count) bumps the number and the others read the same one.
     """
-    job = slurm.job_id(environ) or f"local-{run_dir.path.name}"
+    job = slurm.job_id(environ) or run_dir.local_job_id
     return handoff.begin_attempt(run_dir, job, ctx.restart_count, list(ctx.hosts))

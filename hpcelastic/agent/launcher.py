@@ -2,30 +2,42 @@
 
 The launcher creates the run directory and its secret, opens the coordinator's listening socket
 itself (port 0: no probe-and-release race) and hands it to agent 0 as an inherited descriptor,
-then waits for the agents and returns the job's exit code.
+then waits for the agents and returns the job's exit code. Its own and the agents' process ids go to
+``<run>/local.json``, so that ``status`` can tell a live run from one whose processes were killed.
+Ctrl-C (SIGINT), SIGTERM or SIGHUP is the user stopping the run: it is recorded as cancelled (with
+the signal) before the agents get the signal, and ``hpcelastic run`` exits 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
+from hpcelastic import events
 from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.env.base import listen
 from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK
-from hpcelastic.rundir import RunDir
+from hpcelastic.lifecycle.cancel import mark_cancelled
+from hpcelastic.rundir import RunDir, write_json_atomic
 
 _libc = ctypes.CDLL(None, use_errno=True)
 LOCAL_RDZV_TIMEOUT = 60.0  # `hpcelastic run`'s defaults: one machine finds itself fast
 LOCAL_GRACE_PERIOD = 30.0
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: The signals by which the user stops ``hpcelastic run`` (Ctrl-C, kill, a closed terminal).
+USER_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -117,19 +129,84 @@ def start_agents(spec: LocalRun) -> tuple[RunDir, list[subprocess.Popen[bytes]]]
 
 
 def run_local(spec: LocalRun) -> int:
-    """Start the agents, forward signals to them, wait; the job's exit code (agent 0's decision)."""
+    """Start the agents, forward signals to them, wait; the job's exit code (agent 0's decision), or
+    128 + the signal's number when the user stopped the run."""
     run_dir, agents = start_agents(spec)
+    record_processes(run_dir, [os.getpid(), *(a.pid for a in agents)])
     print(f"hpcelastic: run directory {run_dir.path}", file=sys.stderr, flush=True)
-    previous = {s: signal.signal(s, lambda signum, _f: _forward(agents, signum)) for s in FORWARDED}
+    stops: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if signum in USER_STOPS and not stops:
+            stops.append(signum)
+            stopped_by_user(run_dir, signum)  # first: the agents' decision must see the cancel
+        _forward(agents, signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     try:
         codes = [a.wait() for a in agents]
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = job_exit_code(codes)
+    where = f"events in {run_dir.events_path}"
+    if stops and code != EXIT_OK:
+        name = signal.Signals(stops[0]).name
+        print(
+            f"hpcelastic: run stopped by the user ({name}, exit code {128 + stops[0]}); {where}",
+            file=sys.stderr,
+        )
+        return 128 + stops[0]
     outcome = "succeeded" if code == EXIT_OK else "failed"
-    print(f"hpcelastic: job {outcome} (exit code {code}); events in {run_dir.events_path}", file=sys.stderr)
+    print(f"hpcelastic: job {outcome} (exit code {code}); {where}", file=sys.stderr)
     return code
+
+
+def stopped_by_user(run_dir: RunDir, signum: int) -> None:
+    """Record that the user stopped the run with ``signum``: cancelled, so that no decision brings it back."""
+    mark_cancelled(run_dir)
+    cancelled = events.cancelled(job_id=run_dir.local_job_id)
+    run_dir.record(events.Event(cancelled.name, {**cancelled.fields, "signal": signal.Signals(signum).name}))
+
+
+@dataclass(frozen=True)
+class LocalProcesses:
+    """``<run>/local.json``: the host ``hpcelastic run`` ran on and its processes (pid, start time)."""
+
+    host: str
+    processes: tuple[tuple[int, float], ...]
+
+    def alive(self) -> bool | None:
+        """Whether any of the processes still runs; None when they ran on another host (cannot tell)."""
+        if self.host != socket.gethostname():
+            return None
+        return any(_running(pid, started) for pid, started in self.processes)
+
+
+def record_processes(run_dir: RunDir, pids: Sequence[int]) -> None:
+    """Write ``<run>/local.json`` for the launcher and its agents (a pid reused later does not count)."""
+    started = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            started.append([pid, psutil.Process(pid).create_time()])
+    write_json_atomic(run_dir.local_path, {"host": socket.gethostname(), "processes": started})
+
+
+def read_processes(run_dir: RunDir) -> LocalProcesses | None:
+    """What :func:`record_processes` wrote, or None (not a local run, or written by an older version)."""
+    try:
+        obj = json.loads(run_dir.local_path.read_text())
+        return LocalProcesses(str(obj["host"]), tuple((int(p), float(t)) for p, t in obj["processes"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _running(pid: int, started: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def job_exit_code(codes: list[int]) -> int:
