@@ -137,3 +137,65 @@ def test_finished_run_outcome(tmp_path: Path) -> None:
     st = build_status(r, lambda ids: {})
     assert st.outcome == "failed (startup_failure)"
     assert "identically before training started" in render_text(st)
+
+
+def _local_run(tmp_path: Path, pids: list[int]) -> RunDir:
+    """A local run (``hpcelastic run``) that trained 10 s, its processes recorded as ``pids``."""
+    from hpcelastic.agent.launcher import record_processes
+
+    r = RunDir.create(tmp_path / "local")
+    start = 1000.0
+    r.record(
+        Event(EventName.ATTEMPT_STARTED, {"attempt": 0, "job_id": r.local_job_id, "nodes": ["local0"]}),
+        ts=start,
+    )
+    r.record(Event(EventName.RENDEZVOUS, {"round": 0, "hosts": ["local0"], "world_size": 1}), ts=start + 1)
+    r.record(Event(EventName.WORKERS_STARTED, {"round": 0, "world_size": 1}), ts=start + 1)
+    r.record(
+        Event(EventName.PROGRESS, {"attempt": 0, "round": 0, "step": 9, "step_ts": start + 10}), ts=start + 10
+    )
+    record_processes(r, pids)
+    return r
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_local_run_whose_processes_live_is_running(tmp_path: Path) -> None:
+    import os
+
+    st = build_status(_local_run(tmp_path, [os.getpid()]))
+    assert st.outcome == "running"
+    assert st.ledger is not None and st.ledger.allocated_s > 1000  # a live run's clock runs to now
+
+
+def test_a_local_run_whose_processes_were_killed_says_so_and_its_time_stops(tmp_path: Path) -> None:
+    st = build_status(_local_run(tmp_path, [_dead_pid(), _dead_pid()]))
+    assert st.outcome.startswith("killed")
+    assert st.ledger is not None and st.ledger.allocated_s == pytest.approx(10.0)  # up to its newest event
+
+
+def test_a_local_run_stopped_by_the_user(tmp_path: Path) -> None:
+    from hpcelastic.agent.launcher import stopped_by_user
+
+    r = _local_run(tmp_path, [_dead_pid()])
+    r.record(
+        Event(EventName.NODE_LOST, {"node_rank": 1, "node": "local1", "reason": "agent received SIGINT"})
+    )
+    stopped_by_user(r, 2)
+    r.record(
+        Event(EventName.NODE_LOST, {"node_rank": 0, "node": "local0", "reason": "agent received SIGINT"})
+    )
+    r.record(
+        Event(EventName.NODE_LOST, {"node_rank": 0, "node": "local0", "reason": "no heartbeat for 30 s"})
+    )
+    st = build_status(r)
+    assert st.outcome == "stopped by the user (SIGINT)"
+    rows = [(row.what, row.details) for row in st.timeline]
+    assert ("stopped by the user", "SIGINT to hpcelastic run") in rows
+    assert [d for w, d in rows if w == "node lost"] == ["local0: no heartbeat for 30 s"]
