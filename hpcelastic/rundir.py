@@ -280,8 +280,8 @@ def _try_create(path: Path, token: str) -> bool:
         finally:
             os.close(fd)
         os.link(tmp, path)
-    except FileExistsError:
-        return False
+    except FileExistsError:  # NFS: a retried link whose first try succeeded also says EEXIST
+        return os.stat(tmp).st_nlink == 2
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
