@@ -142,7 +142,7 @@ def cancelled_before_start(spec: AgentSpec, ctx: NodeContext, environ: Mapping[s
     job_id = slurm.job_id(environ) if ctx.is_coordinator else None
     if not refuse_cancelled_start(RunDir(spec.rdzv.run_dir), job_id):
         return False
-    say(ctx.node_rank, "the run was cancelled (hpcelastic cancel); this attempt does not start")
+    say(ctx.node_rank, "the run was cancelled; this attempt does not start")
     return True
 
 

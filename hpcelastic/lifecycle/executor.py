@@ -218,9 +218,8 @@ class Executor:
         assert outcome.job_id is not None
         job_id = outcome.job_id
         _, error = self._retrying(lambda: slurm.cancel(job_id))
-        rd.record(
-            events.cancelled(job_id=job_id)
-        )  # after the requeued/resubmitted event: status reads it last
+        # After the requeued/resubmitted event: status reads the cancel as the run's last word.
+        rd.record(events.cancelled(job_id=job_id))
         msg = f"the run was cancelled while job {job_id} was queued again; " + (
             f"scancel {job_id}: {error} (its agents stop at start)" if error else f"cancelled job {job_id}"
         )
