@@ -457,15 +457,20 @@ class WorkerGroup:
         }
 
     def signal_catching(self, sig: int) -> list[Worker]:
-        """Send ``sig`` to every running worker that has a handler for it (the process itself, as torchrun
-        does); returns those that have none, which the signal would kill, wherever they are."""
+        """Send ``sig`` to every process of the running workers' trees that has a handler for it (the worker
+        itself, as torchrun does, or the script a wrapper started); returns the workers whose trees have
+        none: the signal would kill them wherever they are."""
         uncaught = []
         for w in self.running():
-            if not catches(w.proc.pid, sig):
+            catching = [pid for pid in [w.proc.pid, *_descendants(w.proc.pid)] if catches(pid, sig)]
+            if not catching:
                 uncaught.append(w)
-                continue
-            with contextlib.suppress(OSError):
-                w.proc.send_signal(sig)
+            for pid in catching:
+                with contextlib.suppress(OSError):
+                    if pid == w.proc.pid:
+                        w.proc.send_signal(sig)
+                    else:
+                        os.kill(pid, sig)
         return uncaught
 
     def saving(self, worker: Worker) -> list[str]:

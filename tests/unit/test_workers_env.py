@@ -306,3 +306,37 @@ def test_sigcgt_is_read_bit_by_signal() -> None:
     assert catches(os.getpid(), signal.SIGINT)  # Python's KeyboardInterrupt handler
     assert not catches(os.getpid(), signal.SIGUSR2)
     assert not catches(2**22 + 12345, signal.SIGINT)  # no such process
+
+
+WRAPPED = """
+import os, subprocess, sys
+child = "import os, signal, sys, time; touch = lambda n: open(os.path.join(sys.argv[1], n), 'w').close(); "
+child += "signal.signal(signal.SIGUSR2, lambda *a: touch('usr2-' + os.environ['RANK'])); "
+child += "touch('ready-' + os.environ['RANK']); time.sleep(30)"
+subprocess.run([sys.executable, "-c", child, sys.argv[1]])
+"""
+
+
+def test_the_stop_signal_reaches_the_script_a_wrapper_started(tmp_path: Path) -> None:
+    """The worker is a wrapper without a handler; the script it started has one: that script is sent the
+    signal and the worker is not one to stop as a script without a handler."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = dataclasses.replace(config(tmp_path), argv=(sys.executable, "-c", WRAPPED, str(out)))
+    watchdog, devnull = Watchdog(), os.open(os.devnull, os.O_WRONLY)
+    try:
+        with selectors.DefaultSelector() as sel:
+            group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull)
+            group.start(ROUND)
+            deadline = time.monotonic() + 30
+            while len(list(out.glob("ready-*"))) < 2:
+                assert time.monotonic() < deadline, "the scripts did not start"
+                time.sleep(0.05)
+            assert group.signal_catching(signal.SIGUSR2) == []
+            while len(list(out.glob("usr2-*"))) < 2:
+                assert time.monotonic() < deadline, "the wrapped scripts were not sent the signal"
+                time.sleep(0.05)
+            group.stop(1.0)
+    finally:
+        watchdog.close()
+        os.close(devnull)
