@@ -63,6 +63,9 @@ def as_json(r: WeekResult) -> dict[str, object]:
         "outcome": r.outcome,
         "ettr": r.ettr,
         "attempts": r.attempts,
+        "allocated_s": round(r.allocated_s, 1),
+        "productive_s": round(r.productive_s, 1),
+        "work_done": round(r.work_done, 4),
         "violations": sorted({v.invariant for v in r.violations}),
     }
 

@@ -77,8 +77,14 @@ class WeekResult:
     badput_s: dict[str, float]
     attempts: int
     final_step: int
+    kept_step: int
     decisions: list[DecisionLog]
     violations: list[Violation]
+
+    @property
+    def work_done(self) -> float:
+        """The share of the job's steps kept at the week's end (1.0: it finished)."""
+        return 1.0 if self.outcome == "finished" else self.kept_step / self.week.total_steps
 
     @property
     def ettr(self) -> float:
@@ -326,13 +332,19 @@ class Sim:
             self.span("shutdown", self.t)
             self.trainer = None
             for n in range(len(self.hosts)):
-                self._call(lambda n=n: self.st.workers_done(n, self.round) if self.st else [])
+                self._call("workers_done", n, self.round)
 
     # ---- the coordinator ------------------------------------------------------------------------
-    def _call(self, fn: Callable[[], list[Any]]) -> None:
-        if self.st is None or self.ended:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Deliver an agent's report to the coordinator's state (``JobState.<method>``) and act on it."""
+        st = self.st
+        if st is None or self.ended:
             return
-        self._apply(fn())
+        actions = getattr(st, method)(*args, **kwargs)
+        if actions:
+            self._apply(actions)
+        elif st.result is not None:
+            self._coordinator_decides(st.result)
 
     def _apply(self, actions: list[Any]) -> None:
         st = self.st
@@ -360,9 +372,9 @@ class Sim:
                 return
             if host in self.unhealthy:
                 self.log.node_unhealthy(self.t, host, "GPU 0 failed its health check")
-                self._call(lambda i=i: self.st.left(i, "node unhealthy: GPU 0", unhealthy=True))
+                self._call("left", i, "node unhealthy: GPU 0", unhealthy=True)
             else:
-                self._call(lambda i=i, host=host: self.st.join(i, host, GPUS_PER_NODE))
+                self._call("join", i, host, GPUS_PER_NODE)
 
     def _start_round(self, rounds: list[tuple[int, messages.Round]]) -> None:
         """Every node of the new round kills what is left of its old workers and spawns new ones."""
@@ -381,7 +393,7 @@ class Sim:
         if r != self.round or self.st is None:
             return
         for n in nodes:
-            self._call(lambda n=n: self.st.started_workers(n, r, self.t))
+            self._call("started_workers", n, r, self.t)
         init = self.week.startup_s if r == 0 else self.week.restart_s
         self.at(self.t + init, self._first_step, r)
 
@@ -405,7 +417,7 @@ class Sim:
         self.at(done, self._stopped, n, r)
 
     def _stopped(self, n: int, r: int) -> None:
-        self._call(lambda: self.st.workers_stopped(n, r, []))
+        self._call("workers_stopped", n, r, [])
 
     def _dead_at(self, n: int, t: float) -> None:
         if n in self.workers:
@@ -436,7 +448,7 @@ class Sim:
         if kill <= self.t or self.st is None:
             return
         self.log.record(adapter.events.signal_received(signal="USR2", node_rank=0), self.t)
-        self._call(lambda: self.st.preempt(0, "USR2"))
+        self._call("preempt", 0, "USR2")
 
     def _preempted_node(self, n: int, r: int) -> None:
         """An agent got ``Preempt``: it reports its step and rate; without training it just stops."""
@@ -450,7 +462,7 @@ class Sim:
         step, rate = (
             adapter.stop_step_report(self.rate) if self.week.script is not Script.PLAIN else (None, 0.0)
         )
-        self.at(self.t + 0.05, lambda: self._call(lambda: self.st.step_report(n, r, step, rate)))
+        self.at(self.t + 0.05, self._call, "step_report", n, r, step, rate)
 
     def _stop_at(self, n: int, msg: messages.StopAt) -> None:
         tr = self.trainer
@@ -580,12 +592,12 @@ class Sim:
     def _worker_fails(self, n: int, failure: dict[str, Any]) -> None:
         """A worker on node ``n`` died; a GPU node's agent then fails its health check and leaves."""
         self._kill_training()
-        self._call(lambda: self.st.worker_failed(n, self.round, [failure]))
+        self._call("worker_failed", n, self.round, [failure])
         host = self.hosts[n]
         if host in self.unhealthy and not self.ended and self.st is not None:
             self.log.node_unhealthy(self.t, host, "GPU failed its health check after an ECC error")
             self._dead_at(n, self.t + 1.0)
-            self._call(lambda: self.st.left(n, "node unhealthy: GPU 0", unhealthy=True))
+            self._call("left", n, "node unhealthy: GPU 0", unhealthy=True)
 
     def _node_gone(self, n: int, t: float, *, dead: bool) -> None:
         """Node ``n`` died or its network dropped: silent to the others after the heartbeat timeout."""
@@ -598,7 +610,7 @@ class Sim:
             return
         reason = f"no heartbeat for more than {HEARTBEAT_TIMEOUT_S:g} s"
         if n != 0:
-            self._call(lambda: self.st.lost(n, reason))
+            self._call("lost", n, reason)
             return
         if dead:  # the coordinator's node died with the batch shell: a survivor decides
             self._end(
@@ -614,7 +626,7 @@ class Sim:
             )
             return
         for m in range(1, len(self.hosts)):  # the coordinator's own network: it hears nobody
-            self._call(lambda m=m: self.st.lost(m, reason))
+            self._call("lost", m, reason)
 
     # ---- the end of an attempt --------------------------------------------------------------------
     def _finalize(self) -> None:
@@ -715,6 +727,7 @@ class Sim:
             badput,
             self.attempt + 1,
             self.top_step,
+            self.ckpt_step,
             self.decisions,
             self.check.violations,
         )

@@ -5,7 +5,7 @@
   a user's cancel or ``--max-requeues`` may end such a job.
 - ``node_evidence``: a node is excluded only on evidence about it (a fault of its own: a worker failure
   there, a failed health check, its death, its own network), and never so many that the job cannot be
-  scheduled on the partition's usable nodes.
+  scheduled on the partition's usable nodes, nor on all of them once the down ones are back.
 - ``cancel_final``: a cancelled job never runs again.
 - ``one_rank_one_round``: no worker of an earlier round is alive, with a rank of the new round, when it
   spawns.
@@ -80,16 +80,25 @@ class Checker:
                     "node_evidence",
                     f"attempt {rec.attempt} excluded {shown} without evidence about them",
                 )
-            usable = facts.usable
-            if len(usable) >= facts.needed and len(usable - set(rec.exclude)) < facts.needed:
+            self._schedulable(sim, rec, facts)
+            if sim.cancelled:
+                self.fail(sim, "cancel_final", f"attempt {rec.attempt} of a cancelled job was brought back")
+
+    def _schedulable(self, sim: Sim, rec: DecisionLog, facts: EndFacts) -> None:
+        """The exclusion leaves enough of the partition: of its usable nodes now, and of all its nodes
+        (an excluded node stays excluded while the job pends, even once it is back up)."""
+        excluded = set(rec.exclude)
+        whole = ("nodes of the whole partition (its down nodes back up)", frozenset(sim.partition))
+        for what, nodes in (("usable nodes of the partition", facts.usable), whole):
+            left = len(nodes - excluded)
+            if len(nodes) >= facts.needed > left:
                 self.fail(
                     sim,
                     "node_evidence",
-                    f"attempt {rec.attempt} excluded {len(rec.exclude)} nodes: "
-                    f"{len(usable - set(rec.exclude))} usable left, the job needs {facts.needed}",
+                    f"attempt {rec.attempt} excluded {len(excluded)} nodes: {left} {what} left, the job "
+                    f"needs {facts.needed}",
                 )
-            if sim.cancelled:
-                self.fail(sim, "cancel_final", f"attempt {rec.attempt} of a cancelled job was brought back")
+                return
 
     def round_spawn(self, sim: Sim, key: tuple[int, int], nodes: list[int], t: float) -> None:
         """Round ``key`` spawns on ``nodes`` at ``t`` (each of them killed its own old workers first)."""
@@ -107,9 +116,8 @@ class Checker:
         if sim.week.cancel_at is not None and t0 > sim.week.cancel_at:
             self.fail(sim, "cancel_final", f"attempt {sim.attempt} started after the cancel")
         decided = sum(1 for d in sim.decisions if d.attempt == sim.attempt)
-        logged = sum(
-            1 for r in sim.log.records if r["event"] == "attempt_ended" and r.get("attempt") == sim.attempt
-        )
+        tail = sim.log.records[sim.attempt_log :]
+        logged = sum(1 for r in tail if r["event"] == "attempt_ended" and r.get("attempt") == sim.attempt)
         week_over = t1 >= sim.week_end
         if (decided, logged) != (1, 1) and not (week_over and decided == logged == 0):
             self.fail(

@@ -20,9 +20,10 @@ GPUS_PER_NODE = 8
 FAULT_RATE_PER_GPU_S = 419 / (54 * DAY_S * 16384)
 #: A node whose GPU failed fails again this many times as often (while it stays faulty).
 BAD_NODE_FACTOR = 200.0
-#: Node counts a week is run at, and how often each is drawn (a 2,048-node week costs ~1,000 8-node ones).
+#: Node counts a week is run at, and how often each is drawn (a 2,048-node week costs as much as 60
+#: 8-node ones).
 NODE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-NODE_WEIGHTS = (45, 25, 13, 8, 5, 2.5, 1, 0.35, 0.15)
+NODE_WEIGHTS = (46, 25, 13, 8, 5, 1.8, 0.7, 0.3, 0.12)
 #: Slurm's SlurmdTimeout: a dead node is marked DOWN this long after it stopped answering.
 SLURMD_TIMEOUT_S = 300.0
 #: The agents' heartbeat timeout (``agent/runtime.py``): a silent peer counts as lost after it.
