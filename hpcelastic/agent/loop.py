@@ -363,15 +363,18 @@ class NodeLoop:
 
     def _stop_when_not_saving(self) -> None:
         """Stop, while grace remains, the workers that will not stop on their own (no handler for the stop
-        signal, or training past the stop step), each once it holds no checkpoint file open for writing."""
+        signal, or training past the stop step), once no worker of this node has held a checkpoint file
+        open for writing for :data:`STOP_QUIET_S` (a rank done with its shard may be needed to finish the
+        save of another)."""
         group = self.rt.group
         group.note_saves()
         now = time.monotonic()
-        for w in group.running():
-            if w.rank in self.stopped_here or (w.last_save is not None and now - w.last_save < STOP_QUIET_S):
-                continue
+        running = group.running()
+        if any(w.last_save is not None and now - w.last_save < STOP_QUIET_S for w in running):
+            return
+        for w in running:
             ignored = ignores_stop(w.step, self.stop_at, self.steps_at_stop.get(w.rank))
-            if w.rank not in self.uncaught and not ignored:
+            if w.rank in self.stopped_here or not (ignored or w.rank in self.uncaught):
                 continue
             if ignored and self.stop_at is not None and w.step is not None:
                 self._record_stop_ignored(w.rank, w.step, self.stop_at)
