@@ -9,6 +9,7 @@ import json
 import os
 import selectors
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -303,9 +304,16 @@ def test_a_node_stalls_only_when_every_rank_does() -> None:
 
 
 def test_sigcgt_is_read_bit_by_signal() -> None:
-    assert catches(os.getpid(), signal.SIGINT)  # Python's KeyboardInterrupt handler
-    assert not catches(os.getpid(), signal.SIGUSR2)
-    assert not catches(2**22 + 12345, signal.SIGINT)  # no such process
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print(flush=True); time.sleep(30)"],
+                            stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"\n"
+        assert catches(proc.pid, signal.SIGINT)  # Python's KeyboardInterrupt handler
+        assert not catches(proc.pid, signal.SIGUSR2)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not catches(proc.pid, signal.SIGINT)  # no such process
 
 
 WRAPPED = """
