@@ -48,6 +48,7 @@ class EventName(Named):
     REPLICA_GROUP_RESTARTING = "replica_group_restarting"
     REPLICA_GROUP_HEALED = "replica_group_healed"
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
+    STOP_IGNORED = "stop_ignored"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -76,6 +77,7 @@ PROGRESS = EventName.PROGRESS
 REPLICA_GROUP_RESTARTING = EventName.REPLICA_GROUP_RESTARTING
 REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
+STOP_IGNORED = EventName.STOP_IGNORED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -441,19 +443,17 @@ def progress(*, attempt: int, round: int, step: int, step_ts: float, mark: Progr
     return _event(PROGRESS, attempt=attempt, round=round, step=step, step_ts=step_ts, mark=mark, ranks=ranks)
 
 
-# ---- the stop signal (issue 18): a rank that trains past the job's stop step -------------------
-class StopEventName(Named):
-    """Events of the agents' stop path, recorded like :class:`EventName`'s (to join it)."""
-
-    STOP_IGNORED = "stop_ignored"
-
-
-STOP_IGNORED = StopEventName.STOP_IGNORED
-
-
+# ---- the stop signal: a rank that trains past the job's stop step -------------------------------
 def stop_ignored(*, attempt: int, round: int, rank: int, node_rank: int, step: int, stop_step: int) -> Event:
     """Rank ``rank`` reported ``step``, past the job's ``stop_step``, after the stop reached it: it calls
     ``heartbeat()`` but not ``should_stop()``. Its agent stopped it (SIGTERM to its tree) as soon as it
     held no checkpoint file open for writing; the steps after ``stop_step`` are lost."""
-    fields = {"attempt": attempt, "round": round, "rank": rank, "node_rank": node_rank}
-    return Event(STOP_IGNORED, fields | {"step": step, "stop_step": stop_step})  # type: ignore[arg-type]
+    return _event(
+        STOP_IGNORED,
+        attempt=attempt,
+        round=round,
+        rank=rank,
+        node_rank=node_rank,
+        step=step,
+        stop_step=stop_step,
+    )
