@@ -262,7 +262,8 @@ sleep 600
 
 
 def test_finalize_requeues_when_no_agent_decided(submitted) -> None:  # type: ignore[no-untyped-def]
-    """The step dies without any agent decision (coordinator lost): finalize in the batch script requeues."""
+    """The step dies before any agent began the attempt (as when srun cannot create it): finalize in the
+    batch script names it ``step_failed``, not a lost coordinator, and requeues within the failure budget."""
     rd, job_id = submitted("finalize")
     subprocess.run(["scancel", job_id], check=True)
     rd.script_path.write_text(FINALIZE.format(run=rd.path, python=sys.executable))
@@ -275,6 +276,6 @@ def test_finalize_requeues_when_no_agent_decided(submitted) -> None:  # type: ig
     started = [e for e in log if e["event"] == "attempt_started"]
     assert [(e["attempt"], e["job_id"]) for e in started] == [(0, job_id)]
     ended = [e for e in log if e["event"] == "attempt_ended"]
-    assert len(ended) == 1 and ended[0]["reason"] == "coordinator_lost" and ended[0]["exit_code"] == 6
+    assert len(ended) == 1 and ended[0]["reason"] == "step_failed" and ended[0]["exit_code"] == 9
     assert [e["event"] for e in log].count("requeued") == 1
     assert requeue_counts(rd.events())[RequeueCounter.FAILURE] == 1

@@ -12,7 +12,7 @@ from hpcelastic import events
 from hpcelastic.events import EventLog
 from hpcelastic.jobs import slurm
 from hpcelastic.lifecycle.cancel import cancel_run, is_cancelled
-from hpcelastic.lifecycle.finalize import recorded_exit, step_end_reason
+from hpcelastic.lifecycle.finalize import recorded_exit
 from hpcelastic.lifecycle.history import History, PreviousEnd, excluded_nodes, requeue_counts
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Settings, decide
 from hpcelastic.lifecycle.progress import AttemptProgress
@@ -170,14 +170,6 @@ def test_slurm_time_parsing() -> None:
     assert slurm.parse_time("Unknown") is None and slurm.parse_time("(null)") is None
     assert slurm.parse_time("nonsense") is None
     assert isinstance(slurm.parse_time("2026-01-02T03:04:05"), float)
-
-
-def test_step_end_reason() -> None:
-    assert step_end_reason(0, stopped=True, job_id="1") is R.SUCCEEDED
-    assert step_end_reason(2, stopped=False, job_id="1") is R.STARTUP_FAILURE
-    assert step_end_reason(143, stopped=True, job_id="1") is R.PREEMPTED
-    assert step_end_reason(143, stopped=True, job_id=None) is R.COORDINATOR_LOST
-    assert step_end_reason(1, stopped=False, job_id="1") is R.COORDINATOR_LOST
 
 
 def test_recorded_exit() -> None:
