@@ -9,6 +9,7 @@ lacks are left out (checked by name), so the same simulation runs today's code a
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -55,18 +56,41 @@ _ATTEMPT_ENDED_ARGS = _accepts(events.attempt_ended)
 _JOB_STATE_ARGS = _accepts(JobState.__init__)
 
 
+class _Written(EventLog):
+    """An :class:`EventLog` of records this module wrote (plain dicts with an ``event``): nothing to filter,
+    and ``of`` answers from an index by event name (the same answer; History asks it a dozen times per
+    decision, over a log that grows all week)."""
+
+    def __init__(self, records: list[dict[str, Any]], index: Mapping[str, list[int]] | None = None) -> None:
+        self._records = records  # type: ignore[assignment]
+        self.damaged = 0
+        self._index = index
+
+    def of(self, *names: events.EventName, **match: Any) -> list[events.Record]:
+        if self._index is None or not names:
+            return super().of(*names, **match)
+        at = [i for n in names for i in self._index.get(str(n), ())]
+        if len(names) > 1:
+            at.sort()
+        want = {k: v.value if isinstance(v, enum.Enum) else v for k, v in match.items()}
+        found = (self._records[i] for i in at)
+        return [r for r in found if all(r.get(k) == v for k, v in want.items())]
+
+
 class Log:
     """The run's event log as ``RunDir.record`` writes it (``ts``, ``event``, ``host`` and the fields)."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self._index: dict[str, list[int]] = {}
 
     def record(self, event: Event, ts: float, host: str = "sim") -> None:
+        self._index.setdefault(event.name.value, []).append(len(self.records))
         self.records.append({"ts": ts, "event": event.name.value, "host": host, **event.fields})
 
     def view(self, start: int = 0) -> EventLog:
         """The log as its readers see it (from record ``start``: one attempt's tail)."""
-        return EventLog(self.records[start:] if start else self.records)
+        return _Written(self.records[start:]) if start else _Written(self.records, self._index)
 
     def attempt_started(
         self, ts: float, attempt: int, job_id: str, restarts: int, nodes: Sequence[str]
@@ -123,13 +147,20 @@ def fast(cls: type[JobState]) -> type[JobState]:
 
 
 def new_job_state(
-    cls: type[JobState], hosts: Sequence[str], *, max_restarts: int, now: Callable[[], float], attempt: int
+    cls: type[JobState],
+    hosts: Sequence[str],
+    *,
+    spares: int,
+    max_restarts: int,
+    now: Callable[[], float],
+    attempt: int,
 ) -> JobState:
-    """The coordinator's state for one attempt (every node needed, as ``--nodes N``)."""
+    """The coordinator's state for one attempt: ``--nodes N`` plus ``spares`` hot spares (a round runs on N)."""
     ports = iter(range(20000, 10**9))
     kwargs: dict[str, Any] = {
         "hosts": hosts,
-        "min_nodes": len(hosts),
+        "min_nodes": len(hosts) - spares,
+        "round_size": len(hosts) - spares,
         "max_restarts": max_restarts,
         "master_addr": hosts[0],
         "new_port": lambda: next(ports),

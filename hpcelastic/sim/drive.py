@@ -187,6 +187,7 @@ class Sim:
         self._seq = itertools.count()
         # per attempt
         self.hosts: list[str] = []
+        self.round_nodes: list[int] = []
         self.q: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self.st: JobState | None = None
         self.trainer: _Trainer | None = None
@@ -254,16 +255,22 @@ class Sim:
                 t += self.rng.uniform(60, 1800)  # pending in the queue
         return self._result()
 
+    @property
+    def needed(self) -> int:
+        """The nodes the job asks Slurm for: the round's and the hot spares."""
+        return self.week.nodes + self.week.spares
+
     def _usable(self, t: float) -> list[str]:
         return [n for n in self.partition if self.down_until.get(n, 0.0) <= t]
 
     def _allocate(self, t: float) -> list[str] | None:
         free = [n for n in self._usable(t) if n not in self.excluded]
-        return free[: self.week.nodes] if len(free) >= self.week.nodes else None
+        need = self.needed
+        return free[:need] if len(free) >= need else None
 
     def _next_allocation(self, t: float) -> float:
         """Wait for a DOWN node to come back; unschedulable when exclusions alone forbid it."""
-        if len(self.partition) - len(self.excluded) < self.week.nodes:
+        if len(self.partition) - len(self.excluded) < self.needed:
             self.outcome = "unschedulable"
             return model.WEEK_S
         back = [u for u in self.down_until.values() if u > t]
@@ -271,7 +278,7 @@ class Sim:
 
     def _run_attempt(self, t0: float, hosts: list[str]) -> float:
         self.attempt += 1
-        self.hosts, self.q, self.round, self.ended = hosts, [], -1, False
+        self.hosts, self.q, self.round, self.ended, self.round_nodes = hosts, [], -1, False, []
         self.attempt_start, self.attempt_steps, self.attempt_ckpt = t0, set(), None
         self.attempt_ckpt_before = self.ckpt_step
         self.decider_saw_step, self.stop, self.trainer, self.workers = False, None, None, {}
@@ -282,6 +289,7 @@ class Sim:
         self.st = adapter.new_job_state(
             self.hooks.job_state,
             hosts,
+            spares=self.week.spares,
             max_restarts=self.week.max_restarts,
             now=lambda: self.t,
             attempt=self.attempt,
@@ -331,7 +339,7 @@ class Sim:
         if tr is not None and tr.step >= self.week.total_steps and tr.save_until is None:
             self.span("shutdown", self.t)
             self.trainer = None
-            for n in range(len(self.hosts)):
+            for n in self.round_nodes:
                 self._call("workers_done", n, self.round)
 
     # ---- the coordinator ------------------------------------------------------------------------
@@ -379,7 +387,7 @@ class Sim:
     def _start_round(self, rounds: list[tuple[int, messages.Round]]) -> None:
         """Every node of the new round kills what is left of its old workers and spawns new ones."""
         r = rounds[0][1].round
-        self.round = r
+        self.round, self.round_nodes = r, [n for n, _ in rounds]
         self.trainer = None
         spawn = self.t + 10.0
         for n, _ in rounds:
@@ -452,6 +460,8 @@ class Sim:
 
     def _preempted_node(self, n: int, r: int) -> None:
         """An agent got ``Preempt``: it reports its step and rate; without training it just stops."""
+        if n not in self.round_nodes:
+            return  # a hot spare: no workers
         if self.trainer is None or r != self.round:
             self._dead_at(n, self.t)
             self.at(self.t + 0.5, self._stopped, n, r)
@@ -477,7 +487,7 @@ class Sim:
 
     def stopped_at_stop_step(self) -> None:
         """Every rank stopped after the stop step and saved: the agents see their workers exit."""
-        for n in range(len(self.hosts)):
+        for n in self.round_nodes:
             self.at(self.t + 0.5, self._stop_node_now, n, self.round)
 
     def _stop_node_now(self, n: int, r: int) -> None:
@@ -544,8 +554,13 @@ class Sim:
             if drop > HEARTBEAT_TIMEOUT_S:
                 self._node_gone(n, self.t, dead=False)
             return
-        if self.trainer is None or self.st is None or self.st.phase.value != "running":
-            return  # not training: a worker fault needs workers
+        if (
+            self.trainer is None
+            or self.st is None
+            or self.st.phase.value != "running"
+            or n not in self.round_nodes
+        ):
+            return  # not training, or a hot spare: a worker fault needs workers
         if kind is Fault.GPU:
             self.faulty.add(host)
             if self.rng.random() < 0.4:
@@ -580,7 +595,7 @@ class Sim:
         tb = _traceback(error, where) if where else ""
         return {
             "round": self.round,
-            "rank": n * GPUS_PER_NODE + local,
+            "rank": self.round_nodes.index(n) * GPUS_PER_NODE + local if n in self.round_nodes else None,
             "local_rank": local,
             "exitcode": exitcode,
             "signal": signal,
@@ -600,9 +615,11 @@ class Sim:
             self._call("left", n, "node unhealthy: GPU 0", unhealthy=True)
 
     def _node_gone(self, n: int, t: float, *, dead: bool) -> None:
-        """Node ``n`` died or its network dropped: silent to the others after the heartbeat timeout."""
-        self._kill_training()
-        self._dead_at(n, t if dead else t + HEARTBEAT_TIMEOUT_S + KILL_S)
+        """Node ``n`` died or its network dropped: silent to the others after the heartbeat timeout; its
+        agent, cut off as long, then kills its workers."""
+        if n in self.round_nodes:
+            self._kill_training()
+        self._dead_at(n, t if dead else t + HEARTBEAT_TIMEOUT_S + self.rng.uniform(0.2, KILL_S))
         self.at(t + HEARTBEAT_TIMEOUT_S, self._silent, n, dead)
 
     def _silent(self, n: int, dead: bool) -> None:
@@ -658,7 +675,7 @@ class Sim:
         return {
             "new_checkpoint": f"step-{ckpt}" if ckpt is not None else None,
             "usable": frozenset(self._usable(self.t)),
-            "needed": self.week.nodes,
+            "needed": self.needed,
         }
 
     def _end(self, facts: EndFacts) -> None:

@@ -89,6 +89,8 @@ class Week:
     stall_timeout_s: float | None
     startup_bug: bool
     blips_per_node_day: float
+    #: Hot spares (``--spare-nodes``): allocated beyond ``nodes``, they take a lost node's place.
+    spares: int
 
     @property
     def fault_rate_per_node_s(self) -> float:
@@ -108,7 +110,7 @@ def draw_week(seed: int, nodes: int | None = None) -> Week:
     return Week(
         seed=seed,
         nodes=n,
-        partition=n + rng.choice((0, 1, 2, max(1, n // 16), max(2, n // 4), n)),
+        partition=n + 2 + rng.choice((0, 1, 2, max(1, n // 16), max(2, n // 4), n)),
         script=rng.choice(list(Script)),
         step_s=step_s,
         ckpt_every=max(1, round(ckpt_every_s / step_s)),
@@ -116,9 +118,9 @@ def draw_week(seed: int, nodes: int | None = None) -> Week:
         total_steps=round(rng.uniform(1.0, 6.0) * DAY_S / step_s),
         startup_s=rng.uniform(60, 900),
         restart_s=rng.uniform(20, 240),
-        time_limit_s=rng.choices((24 * 3600.0, 12 * 3600.0, 48 * 3600.0, 4 * 3600.0), (6, 2, 2, 1))[0],
+        time_limit_s=rng.choices((24 * 3600.0, 12 * 3600.0, 48 * 3600.0, 4 * 3600.0), (12, 4, 4, 1))[0],
         signal_lead_s=rng.choice((180.0, 330.0)),
-        preempt_per_day=rng.choice((0.0, 0.0, 0.3, 1.0, 3.0)),
+        preempt_per_day=rng.choice((0.0, 0.0, 0.3, 1.0, 2.0)),
         preempt_grace_s=rng.choice((0.0, 120.0, 300.0)),
         cancel_at=rng.uniform(0, WEEK_S) if rng.random() < 0.03 else None,
         max_requeues=rng.choice((5, 5, 3, 10)),
@@ -126,6 +128,7 @@ def draw_week(seed: int, nodes: int | None = None) -> Week:
         stall_timeout_s=rng.choice((None, 300.0, 900.0)),
         startup_bug=rng.random() < 0.02,
         blips_per_node_day=rng.choice(BLIP_RATES),
+        spares=rng.choice((0, 0, 0, 1, 2)),
     )
 
 
