@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcelastic import events
+from hpcelastic import events, ledger
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import JobState, Record, Send
 from hpcelastic.agent.stop_step import StepRate
@@ -155,7 +155,7 @@ def new_job_state(
     now: Callable[[], float],
     attempt: int,
 ) -> JobState:
-    """The coordinator's state for one attempt: ``--nodes N`` plus ``spares`` hot spares (a round runs on N)."""
+    """The coordinator's state for one attempt: ``--nodes N`` and ``spares`` hot spares (rounds run on N)."""
     ports = iter(range(20000, 10**9))
     kwargs: dict[str, Any] = {
         "hosts": hosts,
@@ -257,6 +257,23 @@ def conclude(log: Log, facts: EndFacts, settings: policy.Settings, decide: Decid
             facts.ts,
         )
     return decision
+
+
+@dataclass(frozen=True)
+class LedgerTotals:
+    """The lost-time ledger of the week's log (``hpcelastic status``): allocated seconds, the sum of its
+    segments inside attempts, and productive plus badput by phase."""
+
+    allocated_s: float
+    segments_s: float
+    productive_plus_badput_s: float
+
+
+def ledger_totals(log: Log, now: float) -> LedgerTotals:
+    built = ledger.build_ledger(log.view(), now=now)
+    outside = (ledger.Phase.PENDING, ledger.Phase.QUEUED)
+    inside = sum(s.seconds for s in built.segments if s.phase not in outside)
+    return LedgerTotals(built.allocated_s, inside, built.productive_s + sum(built.badput_by_phase.values()))
 
 
 def settings(max_requeues: int) -> policy.Settings:

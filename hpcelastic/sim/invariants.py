@@ -10,13 +10,16 @@
 - ``one_rank_one_round``: no worker of an earlier round is alive, with a rank of the new round, when it
   spawns.
 - ``one_decision``: every attempt ends with exactly one decision.
-- ``time_adds_up``: productive time plus badput equals the allocated time.
+- ``time_adds_up``: productive time plus badput equals the allocated time, as the simulation counted
+  them and in hpcelastic's lost-time ledger of the week's event log (its segments too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from hpcelastic.sim.adapter import ledger_totals
 
 if TYPE_CHECKING:
     from hpcelastic.sim.adapter import EndFacts
@@ -130,6 +133,7 @@ class Checker:
             self.fail(sim, "time_adds_up", f"phases add up to {spent:.3f} s, allocated {sim.allocated:.3f} s")
 
     def after_week(self, sim: Sim, res: WeekResult) -> None:
+        """The week's time, as the simulation counted it and as hpcelastic's ledger reads the log."""
         total = res.productive_s + sum(res.badput_s.values())
         if abs(total - res.allocated_s) > TIME_TOLERANCE_S:
             self.fail(
@@ -137,6 +141,16 @@ class Checker:
                 "time_adds_up",
                 f"productive {res.productive_s:.3f} s + badput != allocated {res.allocated_s:.3f} s",
             )
+        led = ledger_totals(sim.log, sim.t)
+        checks = (
+            ("allocated", led.allocated_s, res.allocated_s),
+            ("segments", led.segments_s, led.allocated_s),
+            ("productive + badput", led.productive_plus_badput_s, led.allocated_s),
+        )
+        for what, got, want in checks:
+            if abs(got - want) > TIME_TOLERANCE_S:
+                self.fail(sim, "time_adds_up", f"the ledger's {what}: {got:.3f} s, not {want:.3f} s")
+                return
 
 
 def _left(seconds: float) -> str:
