@@ -47,6 +47,21 @@ __all__ = [
 Action = policy.Action
 
 
+def _stops_spare_saves() -> bool:
+    """Whether this version's agent stops workers without killing a save (issue 18 item 5): it sends the
+    stop signal only to scripts that handle it, waits while a checkpoint file is open for writing, and
+    stops a rank that ignores the stop at its stop step. Older agents' USR2 killed an unchanged script
+    at once, and a script with heartbeat() but no should_stop() trained on until the grace period ended."""
+    try:
+        from hpcelastic.agent.workers import open_for_writing  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+STOPS_SPARE_SAVES = _stops_spare_saves()
+
+
 def _accepts(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 

@@ -99,7 +99,9 @@ class _Trainer:
         self.first = (step0, t_first)
         self.save_until: float | None = None
         self.frozen = False
-        self.stop_after: int | None = None  # the stop step: no further step, then a final save
+        self.stop_after: int | None = None  # the stop step: no further step
+        self.final_save = True  # ... then a save (the worker API), unless one just saved that step
+        self.saved_step = -1
 
     def milestone(self) -> float:
         """When the next save completes or the next checkpoint step (or the last step) is reached."""
@@ -123,18 +125,18 @@ class _Trainer:
             if self.save_until is not None:
                 if self.save_until > t:
                     return
-                self.t, self.save_until = self.save_until, None
+                self.t, self.save_until, self.saved_step = self.save_until, None, self.step
                 sim.checkpoint(self.step, self.t)
-                if self.stop_after is not None and self.step >= self.stop_after:
-                    self.frozen = True  # stopped at the stop step after its final save
-                    sim.span("stopping", self.t)
-                    sim.stopped_at_stop_step()
-                    return
                 sim.span("train", self.t)
                 continue
             if self.stop_after is not None and self.step >= self.stop_after:
-                self._save()
-                continue
+                if self.final_save and self.saved_step != self.step:
+                    self._save()
+                    continue
+                self.frozen = True  # stopped at the stop step (after its final save)
+                sim.span("stopping", self.t)
+                sim.stopped_at_stop_step()
+                return
             target = self._target()
             if target <= self.step or self.t >= t:
                 return
@@ -144,7 +146,7 @@ class _Trainer:
                 self._train(self.step + n, self.t + n * w.step_s)
                 return
             self._train(target, reach)
-            if target < w.total_steps and (target % w.ckpt_every == 0 or self.stop_after == target):
+            if target < w.total_steps and target % w.ckpt_every == 0:
                 self._save()
 
     def _save(self) -> None:
@@ -466,22 +468,27 @@ class Sim:
             self._dead_at(n, self.t)
             self.at(self.t + 0.5, self._stopped, n, r)
             return
-        if self.week.script is Script.PLAIN:  # USR2's default action kills an unchanged script
+        plain = self.week.script is Script.PLAIN
+        if plain and not adapter.STOPS_SPARE_SAVES:  # USR2's default action kills an unchanged script
             self._stop_node(n, r)
             return
-        step, rate = (
-            adapter.stop_step_report(self.rate) if self.week.script is not Script.PLAIN else (None, 0.0)
-        )
+        if plain and n == 0:  # not sent the signal; stopped once no save is in flight
+            self.trainer.advance(self.t)
+            self.trainer.stop_after, self.trainer.final_save = self.trainer.step, False
+        step, rate = adapter.stop_step_report(self.rate) if not plain else (None, 0.0)
         self.at(self.t + 0.05, self._call, "step_report", n, r, step, rate)
 
     def _stop_at(self, n: int, msg: messages.StopAt) -> None:
         tr = self.trainer
         if tr is None or msg.round != self.round:
             return
-        if self.week.script is Script.API and msg.step is not None:
-            if n == 0:  # every rank stops after the stop step and saves (see stopped_at_stop_step)
+        if self.week.script is Script.PLAIN or msg.step is None:
+            return
+        if self.week.script is Script.API or adapter.STOPS_SPARE_SAVES:
+            if n == 0:  # every rank stops after the stop step (see stopped_at_stop_step)
                 tr.advance(self.t)
                 tr.stop_after = max(msg.step, tr.step)
+                tr.final_save = self.week.script is Script.API  # heartbeat() only: stopped there, no save
         else:  # heartbeat() without should_stop(): the agent kills it after the grace period
             self.at(self.t + STOP_GRACE_S, self._stop_node_now, n, msg.round)
 
