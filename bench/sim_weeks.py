@@ -99,6 +99,13 @@ def table(rows_by: dict[str, list[dict[str, Any]]]) -> list[str]:
         + " | ".join(f"{m:.2f} ({lo:.2f}-{hi:.2f})" for lo, m, hi in work.values())
         + " |"
     )
+    for script in ("api", "heartbeat", "plain"):
+        cells = []
+        for rows in rows_by.values():
+            ettrs = sorted(r["ettr"] for r in rows if r["script"] == script)
+            done = [r["work_done"] for r in rows if r["script"] == script]
+            cells.append(f"{statistics.median(ettrs):.3f} / {statistics.mean(done):.2f}" if ettrs else "-")
+        out.append(f"| {script} script: ETTR median / mean work done | " + " | ".join(cells) + " |")
     counts = {n: collections.Counter(outcome(r) for r in rows) for n, rows in rows_by.items()}
     kinds = sorted({k for c in counts.values() for k in c}, key=lambda k: (not k.startswith("finished"), k))
     for k in kinds:

@@ -13,7 +13,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hpcelastic import events, ledger
@@ -205,7 +205,6 @@ class EndFacts:
     #: The partition's nodes that could run the job now, and how many it needs.
     usable: frozenset[str] = frozenset()
     needed: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _attempt_end(facts: EndFacts, signature: str | None) -> policy.AttemptEnd:
