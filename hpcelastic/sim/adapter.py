@@ -62,6 +62,10 @@ def _stops_spare_saves() -> bool:
 STOPS_SPARE_SAVES = _stops_spare_saves()
 
 
+#: The agents' rendezvous timeout (``--rdzv-timeout``).
+RDZV_TIMEOUT_S = 600.0
+
+
 def _accepts(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
@@ -179,7 +183,7 @@ def new_job_state(
         "max_restarts": max_restarts,
         "master_addr": hosts[0],
         "new_port": lambda: next(ports),
-        "rdzv_timeout": 600.0,
+        "rdzv_timeout": RDZV_TIMEOUT_S,
         "stop_timeout": 60.0,
         "now": now,
         "attempt": attempt,

@@ -170,7 +170,8 @@ class Sim:
         self.t = 0.0
         self.log = adapter.Log()
         self.partition = [f"n{i:04d}" for i in range(week.partition)]
-        self.down_until: dict[str, float] = {}
+        #: host -> (died, back): dead from ``died``, DOWN in Slurm after SlurmdTimeout, up at ``back``.
+        self.dead: dict[str, tuple[float, float]] = {}
         self.faulty: set[str] = set()
         self.unhealthy: set[str] = set()
         self.evidence: dict[str, list[str]] = {}
@@ -252,6 +253,9 @@ class Sim:
             if hosts is None:
                 t = self._next_allocation(t)
                 continue
+            if self._is_dead(hosts[0], t):  # no batch script: Slurm finds the node DOWN and requeues the job
+                t = self.dead[hosts[0]][0] + model.SLURMD_TIMEOUT_S + self.rng.uniform(60, 600)
+                continue
             t = self._run_attempt(t, hosts)
             if self.outcome == "running":
                 t += self.rng.uniform(60, 1800)  # pending in the queue
@@ -262,8 +266,14 @@ class Sim:
         """The nodes the job asks Slurm for: the round's and the hot spares."""
         return self.week.nodes + self.week.spares
 
+    def _is_dead(self, host: str, t: float, after: float = 0.0) -> bool:
+        """``host`` is dead at ``t`` (and has been for ``after`` seconds)."""
+        died, back = self.dead.get(host, (math.inf, 0.0))
+        return died + after <= t < back
+
     def _usable(self, t: float) -> list[str]:
-        return [n for n in self.partition if self.down_until.get(n, 0.0) <= t]
+        """The partition's nodes Slurm would run a job on (a dead node is DOWN only after SlurmdTimeout)."""
+        return [n for n in self.partition if not self._is_dead(n, t, model.SLURMD_TIMEOUT_S)]
 
     def _allocate(self, t: float) -> list[str] | None:
         free = [n for n in self._usable(t) if n not in self.excluded]
@@ -275,7 +285,7 @@ class Sim:
         if len(self.partition) - len(self.excluded) < self.needed:
             self.outcome = "unschedulable"
             return model.WEEK_S
-        back = [u for u in self.down_until.values() if u > t]
+        back = [u for _, u in self.dead.values() if u > t]
         return min(back) if back else model.WEEK_S
 
     def _run_attempt(self, t0: float, hosts: list[str]) -> float:
@@ -297,6 +307,7 @@ class Sim:
             attempt=self.attempt,
         )
         self.at(t0 + 5.0, self._agents_up)
+        self.at(t0 + adapter.RDZV_TIMEOUT_S + 0.1, self._call, "tick")  # a dead node's agent never joins
         self._schedule_fault(t0)
         self._schedule_blip(t0)
         limit = t0 + self.week.time_limit_s
@@ -380,6 +391,8 @@ class Sim:
         for i, host in enumerate(self.hosts):
             if self.st is None or self.ended:
                 return
+            if self._is_dead(host, self.t):
+                continue
             if host in self.unhealthy:
                 self.log.node_unhealthy(self.t, host, "GPU 0 failed its health check")
                 self._call("left", i, "node unhealthy: GPU 0", unhealthy=True)
@@ -538,6 +551,8 @@ class Sim:
             return
         self._schedule_blip(self.t)
         n = self.rng.randrange(len(self.hosts))
+        if self._is_dead(self.hosts[n], self.t):
+            return
         self.evidence.setdefault(self.hosts[n], []).append("network blip")
         if self.rng.uniform(2.0, 6.0) > HEARTBEAT_TIMEOUT_S:
             self._node_gone(n, self.t, dead=False)
@@ -550,10 +565,11 @@ class Sim:
         n = self.rng.choices(range(len(self.hosts)), weights)[0]
         host = self.hosts[n]
         kind = model.draw_fault(self.rng)
+        if self._is_dead(host, self.t):
+            return
         self.evidence.setdefault(host, []).append(kind.value)
         if kind is Fault.HOST:
-            self.down_until[host] = max(self.down_until.get(host, 0.0), self.t + model.SLURMD_TIMEOUT_S)
-            self.down_until[host] += model.repair_s(self.rng)
+            self.dead[host] = (self.t, self.t + model.SLURMD_TIMEOUT_S + model.repair_s(self.rng))
             self._node_gone(n, self.t, dead=True)
             return
         if kind is Fault.NETWORK:

@@ -73,7 +73,7 @@ class Checker:
                     sim, "progress_kept", f"attempt {rec.attempt} trained and was called a start-up failure"
                 )
         if rec.action == "bring_back":
-            blameless = [n for n in rec.exclude if not sim.evidence.get(n) and n not in sim.down_until]
+            blameless = [n for n in rec.exclude if not sim.evidence.get(n) and n not in sim.dead]
             if blameless:
                 shown = ", ".join(blameless[:3]) + (
                     f" and {len(blameless) - 3} more" if len(blameless) > 3 else ""
