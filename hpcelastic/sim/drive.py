@@ -178,7 +178,6 @@ class Sim:
         self.excluded: tuple[str, ...] = ()
         self.cancelled = False
         self.ckpt_step, self.top_step = 0, 0
-        self.ckpt_steps: list[tuple[float, int]] = []
         self.train_spans: list[list[float]] = []  # [t0, t1, s0, s1, redone fraction]
         self.spans: dict[str, float] = {}
         self.phase, self.phase_t = "pending", 0.0
@@ -207,7 +206,7 @@ class Sim:
         self.workers: dict[int, tuple[tuple[int, int], float]] = {}  # node index -> (round key, dead at)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def span(self, phase: str, until: float, s0: Any = None) -> None:
+    def span(self, phase: str, until: float) -> None:
         """Close the current phase at ``until`` (phases add up to the allocated time)."""
         if self.phase != "pending":
             self.spans[self.phase] = self.spans.get(self.phase, 0.0) + (until - self.phase_t)
@@ -224,7 +223,6 @@ class Sim:
         """A save completed: published (API) or only in the checkpoint directory."""
         if step <= 0:
             return
-        self.ckpt_steps.append((ts, step))
         self.ckpt_step = max(self.ckpt_step, step)
         self.attempt_ckpt = step if self.attempt_ckpt is None else max(self.attempt_ckpt, step)
         if self.week.script is Script.API:
@@ -404,6 +402,8 @@ class Sim:
         r = rounds[0][1].round
         self.round, self.round_nodes = r, [n for n, _ in rounds]
         self.trainer = None
+        if self.phase != "startup":
+            self.span("restart", self.t)
         spawn = self.t + 10.0
         for n, _ in rounds:
             self.workers.pop(n, None)

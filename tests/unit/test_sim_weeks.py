@@ -131,7 +131,7 @@ def test_a_second_decision_for_one_attempt_is_caught() -> None:
 class _LosesSaves(Sim):
     """Broken bookkeeping: the time spent saving checkpoints is dropped."""
 
-    def span(self, phase: str, until: float, s0: object = None) -> None:
+    def span(self, phase: str, until: float) -> None:
         if self.phase == "save":
             self.phase, self.phase_t = phase, until
             return
