@@ -91,9 +91,11 @@ class _Written(EventLog):
         at = [i for n in names for i in self._index.get(str(n), ())]
         if len(names) > 1:
             at.sort()
+        records = self._records
+        if not match:
+            return [records[i] for i in at]
         want = {k: v.value if isinstance(v, enum.Enum) else v for k, v in match.items()}
-        found = (self._records[i] for i in at)
-        return [r for r in found if all(r.get(k) == v for k, v in want.items())]
+        return [r for r in (records[i] for i in at) if all(r.get(k) == v for k, v in want.items())]
 
 
 class Log:
@@ -154,12 +156,12 @@ def fast(cls: type[JobState]) -> type[JobState]:
 
     class Fast(cls):  # type: ignore[valid-type,misc]
         def _alive_round_nodes(self) -> set[int]:
-            key = (self.round, len(self.members), id(self.round_nodes), len(self.round_nodes))
             cached = self.__dict__.get("_sim_alive")
-            if cached is None or cached[0] != key:
-                cached = (key, frozenset(original(self)))
+            nodes, members = self.round_nodes, len(self.members)
+            if cached is None or cached[0] is not nodes or cached[1] != (members, len(nodes), self.round):
+                cached = (nodes, (members, len(nodes), self.round), frozenset(original(self)))
                 self.__dict__["_sim_alive"] = cached
-            return cached[1]  # type: ignore[return-value]
+            return cached[2]  # type: ignore[return-value]
 
     Fast.__name__ = Fast.__qualname__ = cls.__name__
     return Fast

@@ -271,7 +271,8 @@ class Sim:
 
     def _usable(self, t: float) -> list[str]:
         """The partition's nodes Slurm would run a job on (a dead node is DOWN only after SlurmdTimeout)."""
-        return [n for n in self.partition if not self._is_dead(n, t, model.SLURMD_TIMEOUT_S)]
+        down = {h for h in self.dead if self._is_dead(h, t, model.SLURMD_TIMEOUT_S)}
+        return [n for n in self.partition if n not in down] if down else list(self.partition)
 
     def _allocate(self, t: float) -> list[str] | None:
         free = [n for n in self._usable(t) if n not in self.excluded]
