@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import machine_line, update_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-CHUNKS = 2
+JOBS = 2
 
 
 def worktree(commit: str) -> Path:
@@ -43,31 +43,15 @@ def worktree(commit: str) -> Path:
 
 def run_weeks(tree: Path, weeks: int) -> tuple[list[dict[str, Any]], float]:
     """Every week's JSON line, seeds 0..weeks-1, run by the decision code in ``tree``; and the seconds."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.perf_counter()
-    step = -(-weeks // CHUNKS)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hpcelastic.sim",
-                "--seed",
-                str(k),
-                "--weeks",
-                str(min(step, weeks - k)),
-                "--json",
-            ],
-            cwd=tree,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for k in range(0, weeks, step)
-    ]
-    rows = [json.loads(line) for p in procs for line in p.communicate()[0].splitlines()]
-    return sorted(rows, key=lambda r: r["seed"]), time.perf_counter() - t0
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcelastic.sim", "--weeks", str(weeks), "--jobs", str(JOBS), "--json"],
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines()], time.perf_counter() - t0
 
 
 def quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -161,7 +145,7 @@ def main() -> int:
         "",
         *table({new_name: new_rows, old_name: old_rows}),
         "",
-        f"Run time: new {new_s:.0f} s, old {old_s:.0f} s ({CHUNKS} processes).",
+        f"Run time: new {new_s:.0f} s, old {old_s:.0f} s ({JOBS} processes).",
         "",
         f"Violations, {old_name}: " + ("; ".join(first_seeds(old_rows)) or "none") + ".",
         "",

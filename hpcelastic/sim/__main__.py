@@ -7,8 +7,7 @@ import json
 import sys
 import time
 
-from hpcelastic.sim import model
-from hpcelastic.sim.drive import WeekResult, run_week
+from hpcelastic.sim.drive import WeekResult, run_weeks
 from hpcelastic.sim.invariants import summary
 
 
@@ -21,20 +20,17 @@ def week_line(res: WeekResult) -> str:
     )
 
 
-def run_many(first: int, weeks: int, nodes: int | None) -> list[WeekResult]:
-    return [run_week(model.draw_week(seed, nodes)) for seed in range(first, first + weeks)]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcelastic.sim", description=__doc__)
     p.add_argument("--seed", type=int, default=0, help="the (first) week's seed")
     p.add_argument("--weeks", type=int, default=1, help="how many weeks, seeds SEED, SEED+1, ...")
     p.add_argument("--nodes", type=int, default=None, help="force the node count")
+    p.add_argument("--jobs", "-j", type=int, default=1, help="processes to run the weeks in")
     p.add_argument("--json", action="store_true", help="one JSON object per week on stdout")
     p.add_argument("--verbose", "-v", action="store_true", help="print each decision of a replayed week")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    results = run_many(a.seed, a.weeks, a.nodes)
+    results = run_weeks(a.seed, a.weeks, nodes=a.nodes, jobs=a.jobs)
     violations = [v for r in results for v in r.violations]
     for r in results:
         if a.json:

@@ -15,6 +15,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ from hpcelastic.sim.adapter import Action, EndFacts, JobState, Reason, messages
 from hpcelastic.sim.invariants import Checker, Violation
 from hpcelastic.sim.model import GPUS_PER_NODE, HEARTBEAT_TIMEOUT_S, Fault, Script, Week
 
+#: Weeks per task when weeks run in several processes.
+CHUNK = 250
 #: How long an agent takes to kill its workers (``RESTART_KILL_GRACE``) at most.
 KILL_S = 3.0
 #: How long an agent waits for workers that ignore the stop step (``--grace-period``).
@@ -778,3 +781,16 @@ class Sim:
 
 def run_week(week: Week, hooks: Hooks | None = None) -> WeekResult:
     return Sim(week, hooks).run()
+
+
+def _run_seeds(seeds: range, nodes: int | None) -> list[WeekResult]:
+    return [run_week(model.draw_week(seed, nodes)) for seed in seeds]
+
+
+def run_weeks(first: int, count: int, *, nodes: int | None = None, jobs: int = 1) -> list[WeekResult]:
+    """The weeks of seeds ``first`` .. ``first + count - 1``, in ``jobs`` processes (the same results)."""
+    if jobs <= 1 or count < 2 * CHUNK:
+        return _run_seeds(range(first, first + count), nodes)
+    chunks = [range(k, min(k + CHUNK, first + count)) for k in range(first, first + count, CHUNK)]
+    with ProcessPoolExecutor(jobs) as pool:
+        return [r for part in pool.map(_run_seeds, chunks, [nodes] * len(chunks)) for r in part]

@@ -9,39 +9,27 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
 
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.lifecycle import policy
 from hpcelastic.reasons import SkipReason
 from hpcelastic.sim import model
-from hpcelastic.sim.drive import Hooks, Sim, WeekResult, run_week
+from hpcelastic.sim.drive import Hooks, Sim, WeekResult, run_week, run_weeks
 from hpcelastic.sim.invariants import Violation
 
 WEEKS = 10_000
 BUDGET_S = 120.0
 
 
-def _weeks(seeds: range) -> list[tuple[str, float, list[str]]]:
-    out = []
-    for seed in seeds:
-        r = run_week(model.draw_week(seed))
-        out.append((r.outcome, r.ettr, [str(v) for v in r.violations]))
-    return out
-
-
 def test_ten_thousand_weeks_keep_every_invariant() -> None:
     t0 = time.perf_counter()
-    workers = max(2, os.cpu_count() or 1)
-    chunks = [range(k, min(k + 500, WEEKS)) for k in range(0, WEEKS, 500)]
-    with ProcessPoolExecutor(workers) as pool:
-        results = [r for part in pool.map(_weeks, chunks) for r in part]
+    results = run_weeks(0, WEEKS, jobs=max(2, os.cpu_count() or 1))
     elapsed = time.perf_counter() - t0
-    violations = [v for _, _, vs in results for v in vs]
+    violations = [str(v) for r in results for v in r.violations]
     assert len(results) == WEEKS
     assert not violations, f"{len(violations)} violations, first:\n" + "\n".join(violations[:15])
     assert elapsed < BUDGET_S, f"{WEEKS} weeks took {elapsed:.0f} s"
-    finished = sum(1 for outcome, _, _ in results if outcome == "finished")
+    finished = sum(1 for r in results if r.outcome == "finished")
     assert finished > WEEKS // 3, f"only {finished} of {WEEKS} weeks finished"
 
 
