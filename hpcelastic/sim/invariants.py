@@ -43,12 +43,11 @@ class Violation:
     seed: int
     ts: float
     detail: str
+    replay: str
 
     def __str__(self) -> str:
-        return (
-            f"{self.invariant} (seed {self.seed}, t={self.ts / 3600:.2f} h): {self.detail}; "
-            f"replay: python -m hpcelastic.sim --seed {self.seed}"
-        )
+        when = f"seed {self.seed}, t={self.ts / 3600:.2f} h"
+        return f"{self.invariant} ({when}): {self.detail}; replay: {self.replay}"
 
 
 @dataclass
@@ -58,7 +57,7 @@ class Checker:
     violations: list[Violation] = field(default_factory=list)
 
     def fail(self, sim: Sim, invariant: str, detail: str) -> None:
-        self.violations.append(Violation(invariant, sim.week.seed, sim.t, detail))
+        self.violations.append(Violation(invariant, sim.week.seed, sim.t, detail, sim.week.replay()))
 
     def after_decision(self, sim: Sim, rec: DecisionLog, facts: EndFacts) -> None:
         if rec.action == "skip" and rec.skip not in ("cancelled", "limit_reached"):

@@ -96,9 +96,13 @@ class Week:
     def fault_rate_per_node_s(self) -> float:
         return FAULT_RATE_PER_GPU_S * GPUS_PER_NODE
 
+    #: ``nodes`` was forced (``--nodes``), not drawn from the seed.
+    forced_nodes: bool = False
+
     def replay(self) -> str:
         """The command that runs this week alone."""
-        return f"python -m hpcelastic.sim --seed {self.seed}"
+        forced = f" --nodes {self.nodes}" if self.forced_nodes else ""
+        return f"python -m hpcelastic.sim --seed {self.seed}{forced} -v"
 
 
 def draw_week(seed: int, nodes: int | None = None) -> Week:
@@ -129,6 +133,7 @@ def draw_week(seed: int, nodes: int | None = None) -> Week:
         startup_bug=rng.random() < 0.02,
         blips_per_node_day=rng.choice(BLIP_RATES),
         spares=rng.choice((0, 0, 0, 1, 2)),
+        forced_nodes=nodes is not None,
     )
 
 

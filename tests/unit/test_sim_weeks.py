@@ -142,5 +142,8 @@ def test_a_week_replays_alone_and_a_violation_names_its_replay() -> None:
         b.attempts,
         [d.ts for d in b.decisions],
     )
-    v = Violation("progress_kept", 4242, 3600.0, "attempt 1 advanced the job and was abandoned (no_progress)")
-    assert "python -m hpcelastic.sim --seed 4242" in str(v)
+    v = run_week(model.draw_week(1, 8), Hooks(recorded_exit=lambda log, attempt: None)).violations[0]
+    assert str(v).endswith("replay: python -m hpcelastic.sim --seed 1 --nodes 8 -v")
+    assert Violation(v.invariant, 4242, 0.0, "", model.draw_week(4242).replay()).replay.endswith(
+        "--seed 4242 -v"
+    )
