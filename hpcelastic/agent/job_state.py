@@ -172,6 +172,8 @@ class JobState:
         self.vanished: list[tuple[str, float]] = []
         #: The previous round's root-cause signature, if it failed before any progress (a start-up failure).
         self.startup_failure: str | None = None
+        #: Some rank of this attempt reached a step (in any round).
+        self.stepped = False
         self.departed: set[int] = set()
         #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
         self.leaving: dict[int, tuple[str, float]] = {}
@@ -400,6 +402,7 @@ class JobState:
             return []
         st = self.steps
         st.ranks[node_rank] = ranks
+        self.stepped = True
         if st.step is not None and step <= st.step:
             return []
         st.step, st.ts, st.unmarked = step, ts, True
@@ -673,9 +676,9 @@ class JobState:
 
     def _repeated_startup_failure(self) -> str | None:
         """Why the attempt stops restarting, when this round and the one before failed the same way before
-        any progress: no rank reached a step and the workers ran less than ``LONG_RUN_S``. Only a
-        failure of the script itself counts (an exception or an exit code, on any rank): a node lost or a
-        signal (an OOM kill) is not the script's doing, and keeps the restart budget."""
+        any progress: no rank of the attempt reached a step and the workers ran less than ``LONG_RUN_S``.
+        Only a failure of the script itself counts (an exception or an exit code, on any rank): a node
+        lost or a signal (an OOM kill) is not the script's doing, and keeps the restart budget."""
         found = self._round_cause()
         previous, self.startup_failure = self.startup_failure, None
         if found is None:
@@ -686,7 +689,7 @@ class JobState:
         )
         began = min(self.started.values(), default=None)
         early = began is not None and exit_ts is not None and exit_ts - began < LONG_RUN_S
-        if not (script_failed and early and self.steps.step is None):
+        if not (script_failed and early and not self.stepped):
             return None
         signature = root_cause_signature({**cause, "traceback": traceback})
         self.startup_failure = signature

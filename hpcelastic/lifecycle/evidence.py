@@ -90,8 +90,9 @@ def _torn_zip(path: Path, size: int) -> bool:
 
 
 def partition_capacity(job_id: str) -> Capacity | None:
-    """The nodes of job ``job_id``'s partition that can run it now (not DOWN, DRAINED or FAILED) and how
-    many it needs (the low end of its ``NumNodes``); None when Slurm cannot say."""
+    """The nodes of job ``job_id``'s partition that can run it now or once back up (all but drained ones:
+    a down node usually comes back, a drained one waits for an admin) and how many it needs (the low end
+    of its ``NumNodes``); None when Slurm cannot say."""
     try:
         job = slurm.show_job(job_id)
         partition = job.get("Partition", "").split(",")[0]
@@ -102,6 +103,6 @@ def partition_capacity(job_id: str) -> Capacity | None:
     usable = {
         name
         for name, _, state in (line.partition("|") for line in out.splitlines())
-        if name and not state.rstrip("*~#!%$@^-").startswith(("down", "drain", "fail"))
+        if name and not state.rstrip("*~#!%$@^-").startswith(("drain", "drng"))
     }
     return Capacity(frozenset(usable), needed) if usable else None

@@ -48,7 +48,8 @@ class Settings:
 
 @dataclass(frozen=True)
 class Capacity:
-    """The nodes of the job's partition that could run it (not down or drained) and how many it needs."""
+    """The nodes of the job's partition that could run it, now or once back up (all but drained ones),
+    and how many it needs."""
 
     usable: frozenset[str]
     needed: int
@@ -130,9 +131,10 @@ def stops_without_progress(history: History, end: AttemptEnd) -> int:
 
 
 def capped_exclusion(nodes: tuple[str, ...], capacity: Capacity | None) -> tuple[str, ...]:
-    """``nodes`` (oldest evidence first), less the oldest usable ones that would leave the job fewer usable
-    nodes than it needs: an exclusion never makes the job unschedulable on its partition. Nodes that
-    cannot run jobs now (down, drained) cost nothing and stay excluded."""
+    """``nodes`` (oldest evidence first), less the oldest ones that would leave the job fewer nodes than it
+    needs: an exclusion never makes the job unschedulable on its partition, even once its down nodes are
+    back (an excluded job that cannot start never reaches the decision that would release the exclusion).
+    Drained nodes (not in ``capacity.usable``) cost nothing and stay excluded."""
     if capacity is None:
         return nodes
     room = max(0, len(capacity.usable) - capacity.needed)
@@ -184,7 +186,7 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
         and not prev.progressed
         and not progressed
     )
-    if end.reason is Reason.STARTUP_FAILURE or repeated:
+    if (end.reason is Reason.STARTUP_FAILURE and not progressed) or repeated:
         return skip(
             SkipReason.STARTUP_FAILURE,
             Reason.STARTUP_FAILURE,

@@ -219,7 +219,7 @@ def test_exclusions_never_leave_the_job_unschedulable() -> None:
     end = AttemptEnd(1, Reason.NODE_UNHEALTHY, 7, "7", bad_nodes=("n3",), capacity=cap)
     d = decide(history, end, Settings(max_requeues=5))
     assert d.exclude == ("n2", "n3") and "n1" in d.release
-    down = Capacity(frozenset({"n0", "n2", "n3"}), needed=3)  # n1 is down: excluding it costs nothing
+    down = Capacity(frozenset({"n0", "n2", "n3"}), needed=3)  # n1 is drained: excluding it costs nothing
     d = decide(history, AttemptEnd(1, Reason.NODE_UNHEALTHY, 7, "7", capacity=down), Settings(max_requeues=5))
     assert d.exclude == ("n1",)
 
@@ -265,3 +265,23 @@ def test_events_record_why_an_attempt_advanced() -> None:
         attempt=0, reason=Reason.TIME_LIMIT, exit_code=5, signature=None, progressed=True, progress="x"
     )
     assert ev.fields["progress"] == "x"
+
+
+def test_a_startup_failure_after_the_attempt_progressed_is_requeued_within_the_budget() -> None:
+    """Simulated week 471: the same error at the start of two late rounds of an attempt that had saved
+    checkpoints earlier was read as a start-up failure and the job was abandoned."""
+    end = AttemptEnd(3, Reason.STARTUP_FAILURE, 8, "7", new_checkpoint="step-900.pt")
+    d = decide(History(3), end, Settings(max_requeues=2))
+    assert d.action is Action.BRING_BACK
+    clock = [100.0]
+    state = _job(2, clock)
+    failure = {"rank": 0, "local_rank": 0, "exitcode": 1, "signal": None, "error": "exited with code 1"}
+    state.progress(0, 0, 7, clock[0], 2)  # round 0 trained
+    for rnd in range(3):
+        state.started_workers(0, rnd, clock[0])
+        state.started_workers(1, rnd, clock[0])
+        clock[0] += 2
+        state.worker_failed(0, rnd, [{**failure, "round": rnd, "traceback": "", "ts": clock[0]}])
+        state.workers_stopped(0, rnd, [])
+        state.workers_stopped(1, rnd, [])
+    assert state.restart_count == 3 and state.result is None  # three identical failures, still restarting
