@@ -232,6 +232,7 @@ def host_coordinator(
         stop_timeout=max(RESTART_KILL_GRACE, spec.grace_period),
         round_size=round_size(spec, ctx),
         attempt=attempt,
+        fence_s=fence_bound(timing),
     )
     coordinator = Coordinator(
         rdzv.listener,
@@ -244,6 +245,13 @@ def host_coordinator(
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
     return coordinator
+
+
+def fence_bound(timing: Timing) -> float:
+    """How long after the coordinator lost a silent agent that agent may still run workers: it misses the
+    coordinator's heartbeats for its own timeout (up to one interval later than the coordinator missed
+    its), then stops its workers (TERM, KILL after ``RESTART_KILL_GRACE``)."""
+    return timing.heartbeat_timeout + timing.heartbeat_interval + RESTART_KILL_GRACE
 
 
 def install_signals(rt: NodeRuntime, wake: Wake, stack: contextlib.ExitStack) -> None:

@@ -384,7 +384,8 @@ class Coordinator:
                 self._service(conn, selectors.EVENT_READ)  # frames that arrived while this loop was busy
                 if conn.closing or time.monotonic() - conn.last_recv <= self._hb_timeout:
                     continue
-                self._drop(conn, f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)")
+                why = f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)"
+                self._drop(conn, why, silent=True)
 
     def _heartbeats(self) -> None:
         for conn in list(self._conns.values()):
@@ -421,8 +422,9 @@ class Coordinator:
             conn.sock.send(protocol.encode_plain(messages.encode(messages.Refusal(error, auth))))
         self._drop(conn, error)
 
-    def _drop(self, conn: _Conn, reason: str | None) -> None:
-        """Close a connection; a joined agent lost this way is reported as ``node_lost``."""
+    def _drop(self, conn: _Conn, reason: str | None, *, silent: bool = False) -> None:
+        """Close a connection; a joined agent lost this way is reported as ``node_lost`` (``silent``: it
+        went quiet, its workers may still run)."""
         if conn.closing:
             return
         conn.closing = True
@@ -433,6 +435,6 @@ class Coordinator:
         if conn.node_rank is not None and self._by_rank.get(conn.node_rank) is conn:
             del self._by_rank[conn.node_rank]
             if reason is not None:  # decided (and its events queued) before the peer sees the close
-                self._apply(self.state.lost(conn.node_rank, reason))
+                self._apply(self.state.lost(conn.node_rank, reason, silent=silent))
         with contextlib.suppress(OSError):
             conn.sock.close()

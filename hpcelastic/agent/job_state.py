@@ -142,6 +142,7 @@ class JobState:
         round_size: int | None = None,
         now: Callable[[], float] = time.time,
         attempt: int = 0,
+        fence_s: float = 0.0,
     ) -> None:
         self.hosts = tuple(hosts)
         self.attempt = attempt
@@ -186,6 +187,13 @@ class JobState:
         self.stall_reports: dict[int, tuple[int, messages.StallReport]] = {}
         self.hang: _Hang | None = None
         self.steps = _RoundSteps()
+        #: Fencing: a node lost by silence may be cut off with its workers still running; its agent stops
+        #: them within ``fence_s`` of going silent (its own heartbeat timeout, then a kill). No round
+        #: starts before ``fence_until``, so two workers of one rank never run in two rounds.
+        self.fence_s = fence_s
+        self.fence_until = 0.0
+        #: A restart is decided and waits for ``fence_until``.
+        self.round_due = False
 
     # ---- membership -------------------------------------------------------------------------
     def join_error(self, node_rank: Any) -> str | None:
@@ -239,13 +247,21 @@ class JobState:
         return actions
 
     def lost(
-        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled_at: float | None = None
+        self,
+        node_rank: int,
+        reason: str,
+        *,
+        unhealthy: bool = False,
+        signalled_at: float | None = None,
+        silent: bool = False,
     ) -> list[Action]:
-        """An agent's connection closed or went silent, or it left (a bad node, or stopped by a signal
+        """An agent's connection closed or went ``silent``, or it left (a bad node, or stopped by a signal
         delivered at ``signalled_at``)."""
         member = self.members.pop(node_rank, None)
         if member is None or self.phase is Phase.FINISHED:
             return []
+        if silent:
+            self.fence_until = max(self.fence_until, self._now() + self.fence_s)
         actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
@@ -258,6 +274,7 @@ class JobState:
 
     # ---- rounds -----------------------------------------------------------------------------
     def _start_round(self) -> list[Action]:
+        self.round_due = False
         self.round += 1
         self.phase = Phase.RUNNING
         previous = set(self.round_nodes)
@@ -433,6 +450,8 @@ class JobState:
         now = self._now()
         if self.leaving_until is not None and now >= self.leaving_until:
             return self._settle_leaving()
+        if self.round_due and now >= self.fence_until and self.phase in _STOPPING:
+            return self._start_round()
         if self.phase is Phase.PREEMPTING and self.step_deadline is not None and now >= self.step_deadline:
             return self._fix_stop_step()
         if self.hang is not None and self.hang.round == self.round and now >= self.hang.deadline:
@@ -619,6 +638,8 @@ class JobState:
                 Reason.TOO_FEW_NODES,
                 f"{len(self.members)} node(s) remain, fewer than the minimum {self.min_nodes}",
             )
+        if self.round_due:
+            return actions  # the restart is decided: its round opens once the fence has passed (tick)
         if self.restart_count >= self.max_restarts:
             return actions + self._finish(
                 Reason.RESTARTS_EXHAUSTED,
@@ -642,7 +663,17 @@ class JobState:
                 f"restarting all workers (restart {self.restart_count} of {self.max_restarts}) after: {cause}"
             )
         )
-        return actions + self._start_round()
+        return actions + self._round_after_fence()
+
+    def _round_after_fence(self) -> list[Action]:
+        """The next round now, or once the lost nodes' agents have surely stopped their workers."""
+        wait = self.fence_until - self._now()
+        if wait <= 0:
+            return self._start_round()
+        self.round_due = True
+        return [
+            Say(f"next round in {wait:.1f} s, once the silent node's agent has stopped its workers (fence)")
+        ]
 
     def _root_cause(self) -> list[Action]:
         """The round's root cause as an event and a line (see :meth:`_round_cause`)."""

@@ -305,11 +305,19 @@ class ReplicaJobState(JobState):
         return actions + self._check_stopped()
 
     def lost(
-        self, node_rank: int, reason: str, *, unhealthy: bool = False, signalled_at: float | None = None
+        self,
+        node_rank: int,
+        reason: str,
+        *,
+        unhealthy: bool = False,
+        signalled_at: float | None = None,
+        silent: bool = False,
     ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
-            return super().lost(node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+            return super().lost(
+                node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at, silent=silent
+            )
         member = self.members.pop(node_rank)
         actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))

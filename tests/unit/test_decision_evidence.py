@@ -285,3 +285,35 @@ def test_a_startup_failure_after_the_attempt_progressed_is_requeued_within_the_b
         state.workers_stopped(0, rnd, [])
         state.workers_stopped(1, rnd, [])
     assert state.restart_count == 3 and state.result is None  # three identical failures, still restarting
+
+
+def test_no_round_starts_while_a_silent_nodes_workers_may_still_run() -> None:
+    """Simulated weeks 154, 973, 2079: a node cut off went silent, the survivors' next round started at
+    once, and the cut-off node's workers of the old round lived on until its agent noticed."""
+    clock = [100.0]
+    state = JobState(
+        hosts=["n0", "n1", "n2"],
+        min_nodes=2,
+        max_restarts=3,
+        master_addr="10.0.0.1",
+        new_port=lambda: 29500,
+        rdzv_timeout=60,
+        now=lambda: clock[0],
+        fence_s=5.5,
+    )
+    for i in range(3):
+        state.join(i, f"n{i}", 2)
+    state.lost(2, "no heartbeat for 2.0 s (node hung or unreachable)", silent=True)
+    clock[0] += 1.0
+    state.workers_stopped(0, 0, [])
+    actions = state.workers_stopped(1, 0, [])
+    assert state.round == 0 and state.round_due and any("fence" in getattr(a, "text", "") for a in actions)
+    clock[0] += 4.0
+    assert state.tick() == [] and state.round == 0
+    clock[0] += 0.6
+    rounds = [a for a in state.tick() if isinstance(a, Send) and isinstance(a.message, messages.Round)]
+    assert state.round == 1 and {a.node_rank for a in rounds} == {0, 1} and state.restart_count == 1
+    # A node whose connection closed (its agent died, its watchdog killed the workers) is not waited for.
+    state.lost(1, "connection reset")
+    state.workers_stopped(0, 1, [])
+    assert state.round == 2 or state.result is not None
