@@ -208,8 +208,11 @@ class EndFacts:
     new_checkpoint: str | None = None
     cancelled: bool = False
     slurm_requeued: bool = False
-    #: The partition's nodes that could run the job now, and how many it needs.
+    #: The partition's nodes that could run the job now (not DOWN), and how many it needs.
     usable: frozenset[str] = frozenset()
+    #: The partition's nodes that could run it now or once back up (none is drained in the simulation):
+    #: what ``evidence.partition_capacity`` reads from sinfo.
+    schedulable: frozenset[str] = frozenset()
     needed: int = 0
 
 
@@ -227,7 +230,7 @@ def _attempt_end(facts: EndFacts, signature: str | None) -> policy.AttemptEnd:
     }
     capacity = getattr(policy, "Capacity", None)
     if capacity is not None:
-        kwargs["capacity"] = capacity(facts.usable, facts.needed)
+        kwargs["capacity"] = capacity(facts.schedulable, facts.needed)
     return policy.AttemptEnd(**{k: v for k, v in kwargs.items() if k in _ATTEMPT_END_FIELDS})
 
 

@@ -702,6 +702,7 @@ class Sim:
         return {
             "new_checkpoint": f"step-{ckpt}" if ckpt is not None else None,
             "usable": frozenset(self._usable(self.t)),
+            "schedulable": frozenset(self.partition),
             "needed": self.needed,
         }
 

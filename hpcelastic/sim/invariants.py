@@ -5,7 +5,8 @@
   a user's cancel or ``--max-requeues`` may end such a job.
 - ``node_evidence``: a node is excluded only on evidence about it (a fault of its own: a worker failure
   there, a failed health check, its death, its own network), and never so many that the job cannot be
-  scheduled on the partition's usable nodes, nor on all of them once the down ones are back.
+  scheduled on the partition once its down nodes are back (a pending job never reaches the decision that
+  would release the exclusion; waiting for a repair is allowed).
 - ``cancel_final``: a cancelled job never runs again.
 - ``one_rank_one_round``: no worker of an earlier round is alive, with a rank of the new round, when it
   spawns.
@@ -87,20 +88,16 @@ class Checker:
                 self.fail(sim, "cancel_final", f"attempt {rec.attempt} of a cancelled job was brought back")
 
     def _schedulable(self, sim: Sim, rec: DecisionLog, facts: EndFacts) -> None:
-        """The exclusion leaves enough of the partition: of its usable nodes now, and of all its nodes
-        (an excluded node stays excluded while the job pends, even once it is back up)."""
-        excluded = set(rec.exclude)
-        whole = ("nodes of the whole partition (its down nodes back up)", frozenset(sim.partition))
-        for what, nodes in (("usable nodes of the partition", facts.usable), whole):
-            left = len(nodes - excluded)
-            if len(nodes) >= facts.needed > left:
-                self.fail(
-                    sim,
-                    "node_evidence",
-                    f"attempt {rec.attempt} excluded {len(excluded)} nodes: {left} {what} left, the job "
-                    f"needs {facts.needed}",
-                )
-                return
+        """The exclusion leaves enough of the whole partition once its down nodes are back (an excluded node
+        stays excluded while the job pends: no decision comes to release it)."""
+        left = len(set(sim.partition) - set(rec.exclude))
+        if left < facts.needed <= len(sim.partition):
+            self.fail(
+                sim,
+                "node_evidence",
+                f"attempt {rec.attempt} excluded {len(rec.exclude)} nodes: {left} nodes of the whole partition "
+                f"left, the job needs {facts.needed}",
+            )
 
     def round_spawn(self, sim: Sim, key: tuple[int, int], nodes: list[int], t: float) -> None:
         """Round ``key`` spawns on ``nodes`` at ``t`` (each of them killed its own old workers first)."""
