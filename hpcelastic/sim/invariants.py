@@ -95,8 +95,8 @@ class Checker:
             self.fail(
                 sim,
                 "node_evidence",
-                f"attempt {rec.attempt} excluded {len(rec.exclude)} nodes: {left} nodes of the whole partition "
-                f"left, the job needs {facts.needed}",
+                f"attempt {rec.attempt} excluded {len(rec.exclude)} nodes: {left} nodes of the whole "
+                f"partition left, the job needs {facts.needed}",
             )
 
     def round_spawn(self, sim: Sim, key: tuple[int, int], nodes: list[int], t: float) -> None:
