@@ -215,38 +215,6 @@ def requeue(job_id: str) -> None:
     run_slurm(["scontrol", "requeue", str(job_id)])
 
 
-def node_responding(node: str) -> bool:
-    """Whether slurmctld hears from ``node``: ``sinfo``'s state has no ``*`` (not responding) and is
-    not DOWN or FAILED."""
-    state = run_slurm(["sinfo", "-h", "-N", "-n", node, "-o", "%t"]).split()
-    return bool(state) and all("*" not in s and not s.startswith(("down", "fail")) for s in state)
-
-
-def drop_nodes(job_id: str, nodes: Sequence[str]) -> list[str]:
-    """Take ``nodes`` out of a running job's allocation (``scontrol update JobId= NodeList=``, which
-    also ends the job's steps there); returns those of ``nodes`` that are dead and still in it.
-
-    Slurm does not shrink a job's batch host away: a dead batch host is returned (Slurm excises it
-    itself once it marks it DOWN, ``--no-kill``); a live one stays, nothing to wait for.
-    """
-    if not nodes:
-        return []
-    import hostlist  # python-hostlist; imported here to keep the CLI start-up lean
-
-    rec = show_job(job_id)
-    listed = rec.get("NodeList", "")
-    current = [] if listed in ("", "(null)") else hostlist.expand_hostlist(listed)
-    gone = [n for n in current if n in nodes]
-    keep = [n for n in current if n not in nodes]
-    if not gone or rec.get("JobState") != "RUNNING":
-        return []
-    batch = rec.get("BatchHost")
-    if not keep or batch in gone:
-        return [batch] if batch in gone and not node_responding(batch) else []
-    run_slurm(["scontrol", "update", f"JobId={job_id}", f"NodeList={hostlist.collect_hostlist(keep)}"])
-    return []
-
-
 def exclude_nodes(job_id: str, nodes: Sequence[str], *, release: Sequence[str] = ()) -> None:
     """Add ``nodes`` to the job's excluded nodes and take ``release`` off (keeps the others)."""
     if not nodes and not release:

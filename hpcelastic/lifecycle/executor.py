@@ -35,9 +35,6 @@ from hpcelastic.rundir import RunDir
 from hpcelastic.runindex import record_job
 
 DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
-#: The longest wait for Slurm to excise a dead batch host from the job before the requeue
-#: (SlurmdTimeout, 300 s by default, plus its ping interval).
-DROP_WAIT_S = 400.0
 T = TypeVar("T")
 
 
@@ -302,29 +299,11 @@ class Executor:
         and before it can start anywhere; nodes in ``release`` (cooldown over) leave the list. A
         failed exclusion does not undo the requeue; it is noted in the ``requeued`` event.
         """
-        self._drop_nodes(job_id, exclude)
         _, error = self._retrying(lambda: slurm.requeue(job_id))
         if error is not None:
             return error, None
         _, exclude_error = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude, release=release))
         return None, exclude_error
-
-    def _drop_nodes(self, job_id: str, exclude: list[str]) -> None:
-        """Take the excluded nodes out of the allocation before the requeue.
-
-        Slurm 22.05 corrupts the GRES record of a ``--no-kill`` job requeued while one of its nodes is
-        dead but not yet DOWN: the next attempt's srun fails (``Invalid generic resource (gres)
-        specification``) and its GPUs stay allocated on idle nodes (issue 18). A job shrunk first, or
-        requeued once Slurm excised the dead node, is requeued cleanly. A dead batch host cannot be
-        shrunk away: wait until Slurm excises it (at most :data:`DROP_WAIT_S`).
-        """
-        deadline = time.monotonic() + DROP_WAIT_S
-        left, error = self._retrying(lambda: slurm.drop_nodes(job_id, exclude))
-        if left:
-            self.say(f"waiting for Slurm to take {','.join(left)} out of job {job_id} before the requeue")
-        while left and error is None and time.monotonic() < deadline:
-            time.sleep(2.0)
-            left, error = self._retrying(lambda: slurm.drop_nodes(job_id, exclude))
 
     def _cancelled_meanwhile(self, rd: RunDir, job_id: str) -> bool:
         """The run was cancelled, by ``hpcelastic cancel`` or a plain ``scancel`` Slurm is carrying out."""
