@@ -189,8 +189,21 @@ def new_job_state(
         "stop_timeout": 60.0,
         "now": now,
         "attempt": attempt,
+        "fence_s": fence_s(),
     }
     return fast(cls)(**{k: v for k, v in kwargs.items() if k in _JOB_STATE_ARGS})
+
+
+def fence_s() -> float:
+    """The coordinator's fence after a silent loss, as the agent sets it (0 where the code has none)."""
+    from hpcelastic.agent import bootstrap, runtime
+
+    bound = getattr(bootstrap, "fence_bound", None)
+    return float(bound(runtime.Timing())) if bound is not None else 0.0
+
+
+#: The coordinator's state tells a silent loss apart (``JobState.lost(..., silent=True)``).
+SILENT_LOSS = "silent" in inspect.signature(JobState.lost).parameters
 
 
 @dataclass(frozen=True)

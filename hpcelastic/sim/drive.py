@@ -368,6 +368,9 @@ class Sim:
             self._apply(actions)
         elif st.result is not None:
             self._coordinator_decides(st.result)
+        if getattr(st, "round_due", False) and method != "tick":
+            # A fenced restart: the real coordinator ticks every 0.1 s; the week ticks once, at the fence.
+            self.at(max(self.t, st.fence_until), self._call, "tick")
 
     def _apply(self, actions: list[Any]) -> None:
         st = self.st
@@ -654,7 +657,7 @@ class Sim:
             return
         reason = f"no heartbeat for more than {HEARTBEAT_TIMEOUT_S:g} s"
         if n != 0:
-            self._call("lost", n, reason)
+            self._lost_silent(n, reason)
             return
         if dead:  # the coordinator's node died with the batch shell: a survivor decides
             self._end(
@@ -670,7 +673,11 @@ class Sim:
             )
             return
         for m in range(1, len(self.hosts)):  # the coordinator's own network: it hears nobody
-            self._call("lost", m, reason)
+            self._lost_silent(m, reason)
+
+    def _lost_silent(self, n: int, reason: str) -> None:
+        """The coordinator loses agent ``n`` by silence (its next round waits for the fence)."""
+        self._call("lost", n, reason, **({"silent": True} if adapter.SILENT_LOSS else {}))
 
     # ---- the end of an attempt --------------------------------------------------------------------
     def _finalize(self) -> None:
