@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -213,6 +214,43 @@ def dependent_job(job_id: str) -> str | None:
 def requeue(job_id: str) -> None:
     """``scontrol requeue <id>``: the job keeps its id and becomes pending again."""
     run_slurm(["scontrol", "requeue", str(job_id)])
+
+
+def show_node(node: str) -> dict[str, str]:
+    """``scontrol show node -o <node>`` as a dict."""
+    out = run_slurm(["scontrol", "show", "node", "-o", node])
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    if not lines:
+        raise SlurmError(f"scontrol knows no node {node}")
+    return parse_scontrol_record(lines[0])
+
+
+def slurmd_answers(node: str, timeout: float = 2.0) -> bool:
+    """Whether ``node``'s slurmd accepts a connection at its NodeAddr and Port now (slurmctld's own
+    view of a dead node lags by up to SlurmdTimeout)."""
+    rec = show_node(node)
+    try:
+        port = int(rec.get("Port") or 0) or int(config_value("SlurmdPort") or 6818)
+        socket.create_connection((rec.get("NodeAddr") or node, port), timeout=timeout).close()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def node_is_down(node: str) -> bool:
+    """Slurm has marked ``node`` DOWN or FAILED (``NOT_RESPONDING`` alone comes earlier, before
+    slurmctld acts on the node's jobs)."""
+    state = show_node(node).get("State", "").upper()
+    return "DOWN" in state or "FAIL" in state
+
+
+def config_value(key: str) -> str | None:
+    """One value of ``scontrol show config`` (``SlurmdTimeout`` -> ``60 sec``), None when absent."""
+    for line in run_slurm(["scontrol", "show", "config"]).splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() == key:
+            return value.strip()
+    return None
 
 
 def exclude_nodes(job_id: str, nodes: Sequence[str], *, release: Sequence[str] = ()) -> None:

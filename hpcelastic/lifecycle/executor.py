@@ -35,6 +35,8 @@ from hpcelastic.rundir import RunDir
 from hpcelastic.runindex import record_job
 
 DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+#: How long past SlurmdTimeout a requeue waits for Slurm to mark a dead node of a GRES job DOWN.
+DOWN_WAIT_EXTRA_S = 30.0
 T = TypeVar("T")
 
 
@@ -299,11 +301,42 @@ class Executor:
         and before it can start anywhere; nodes in ``release`` (cooldown over) leave the list. A
         failed exclusion does not undo the requeue; it is noted in the ``requeued`` event.
         """
+        self._wait_for_dead_nodes(job_id, exclude)
         _, error = self._retrying(lambda: slurm.requeue(job_id))
         if error is not None:
             return error, None
         _, exclude_error = self._retrying(lambda: slurm.exclude_nodes(job_id, exclude, release=release))
         return None, exclude_error
+
+    def _wait_for_dead_nodes(self, job_id: str, exclude: list[str]) -> None:
+        """Before requeueing a job with GRES: wait until Slurm has marked its dead nodes DOWN.
+
+        Slurm 22.05 corrupts the GRES record of a ``--no-kill`` job requeued while one of its nodes is dead
+        but not yet DOWN: the next attempt's srun fails (``Invalid generic resource (gres)
+        specification``) and GPUs stay allocated on idle nodes for every user (issue 18). Requeued once
+        the node is DOWN, the job is clean. A node is dead when its slurmd does not answer; slurmctld
+        notices within SlurmdTimeout, the longest wait (plus :data:`DOWN_WAIT_EXTRA_S`). A dead batch host
+        is not waited for: once it is DOWN Slurm ends the job, and this decider with it.
+        """
+        try:
+            job = slurm.show_job(job_id)
+            if job.get("JobState") != "RUNNING" or not (job.get("TresPerNode") or job.get("TresPerJob")):
+                return
+            others = [n for n in exclude if n != job.get("BatchHost")]
+            dead = [n for n in others if not slurm.node_is_down(n) and not slurm.slurmd_answers(n)]
+            timeout = float((slurm.config_value("SlurmdTimeout") or "300").split()[0])
+        except (SlurmError, ValueError):
+            return
+        if not dead:
+            return
+        self.say(f"waiting for Slurm to mark {','.join(dead)} DOWN before the requeue (its GPUs would leak)")
+        deadline = time.monotonic() + timeout + DOWN_WAIT_EXTRA_S
+        while dead and time.monotonic() < deadline:
+            time.sleep(2.0)
+            try:
+                dead = [n for n in dead if not slurm.node_is_down(n)]
+            except SlurmError:
+                return
 
     def _cancelled_meanwhile(self, rd: RunDir, job_id: str) -> bool:
         """The run was cancelled, by ``hpcelastic cancel`` or a plain ``scancel`` Slurm is carrying out."""

@@ -7,10 +7,10 @@ Before, its two node losses in two attempts read as one start-up failure (the sa
 no heartbeat, no published checkpoint) and the job ended FAILED with exit 8; now each loss names its
 host and the checkpoints on disk are progress, so both are requeued and the job finishes.
 
-The job asks for no GPU: on Slurm 22.05 a ``--no-kill`` job with GRES that is requeued while one of its
-nodes is dead but not yet DOWN keeps GRES allocated on idle nodes and its next step cannot start
-(issue 18, item 11: found, not yet avoided; such an attempt now ends ``step_failed``, not as a lost
-coordinator).
+The job asks for a GPU per node: Slurm 22.05 corrupts the GRES record of a ``--no-kill`` job that is
+requeued while one of its nodes is dead but not yet DOWN (its next step fails with ``Invalid generic
+resource (gres) specification`` and GPUs stay allocated on idle nodes, issue 18 item 11). hpcelastic
+finds the node dead (its slurmd does not answer) and requeues once Slurm has marked it DOWN.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_two_node_deaths_of_an_unchanged_script_are_requeued_and_it_finishes(
         "--run-dir",
         str(run),
     ]
-    argv += ["--time", "10", "--nodes", "2", "--max-requeues", "3"]
+    argv += ["--time", "10", "--nodes", "2", "--gpus-per-node", "1", "--max-requeues", "3"]
     argv += ["--checkpoint-dir", str(ckpt), str(TRAIN), *train_args(STEPS), "--step-time", "0.05"]
     argv += ["--out", str(tmp_path / "out"), "--plain", "--ckpt-dir", str(ckpt)]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)

@@ -274,7 +274,9 @@ def test_bad_nodes_are_excluded_once_the_job_is_pending(
     out = _conclude(rd, 0, "node_unhealthy", 7, ["node2"], "123")
     assert (out.action, out.job_id, out.next_attempt) == ("requeued", "123", 1)
     verbs = [c[1] for c in _calls(log)]
-    assert verbs == ["show", "requeue", "show", "update"]  # first: is Slurm cancelling it?
+    # First: is Slurm cancelling it? Then: does the job hold GRES (the fake one holds none: no wait for
+    # dead nodes), requeue, and exclude node2 once the job is pending.
+    assert verbs == ["show", "show", "requeue", "show", "update"]
     assert _calls(log)[-1][-1] == "ExcNodeList=node2"
     ev = rd.events()[-1]
     assert (
