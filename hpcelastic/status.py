@@ -128,7 +128,13 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     events.SIGNAL_RECEIVED: lambda e: ("signal received", f"{e.get('signal')} on node {e.get('node_rank')}"),
     events.ATTEMPT_ENDED: lambda e: (
         f"attempt {e.get('attempt')} ended",
-        f"{e.get('reason')} ({_exit(e.get('exit_code'))})",
+        f"{e.get('reason')} ({_exit(e.get('exit_code'))})"
+        + (f"; progress: {e['progress']}" if e.get("progress") else ""),
+    ),
+    events.STOP_IGNORED: lambda e: (
+        "stop ignored",
+        f"rank {e.get('rank')} trained on to step {e.get('step')} past the stop step {e.get('stop_step')}: "
+        "it calls heartbeat() but not should_stop(); stopped by its agent",
     ),
     events.REQUEUED: lambda e: (
         f"requeued as attempt {e.get('attempt')}",

@@ -199,3 +199,14 @@ def test_a_local_run_stopped_by_the_user(tmp_path: Path) -> None:
     rows = [(row.what, row.details) for row in st.timeline]
     assert ("stopped by the user", "SIGINT to hpcelastic run") in rows
     assert [d for w, d in rows if w == "node lost"] == ["local0: no heartbeat for 30 s"]
+
+
+def test_the_timeline_says_why_an_attempt_advanced_and_who_ignored_the_stop(tmp_path: Path) -> None:
+    r = RunDir.create(tmp_path / "run")
+    r.record(Event(EventName.SUBMITTED, {"job_id": "5"}))
+    ended = {"attempt": 0, "reason": "time_limit", "exit_code": 5, "progress": "wrote checkpoint step-9.pt"}
+    r.record(Event(EventName.STOP_IGNORED, {"rank": 3, "step": 57, "stop_step": 52}))
+    r.record(Event(EventName.ATTEMPT_ENDED, ended))
+    text = render_text(build_status(r, lambda ids: {}))
+    assert "progress: wrote checkpoint step-9.pt" in text
+    assert "rank 3 trained on to step 57 past the stop step 52" in text
