@@ -244,6 +244,13 @@ def node_is_down(node: str) -> bool:
     return "DOWN" in state or "FAIL" in state
 
 
+def partition_node_states(partition: str) -> dict[str, str]:
+    """Each node of ``partition`` and its short state as ``sinfo`` prints it (``idle``, ``down*``)."""
+    out = run_slurm(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"])
+    rows = (line.partition("|") for line in out.splitlines())
+    return {name: state for name, _, state in rows if name}
+
+
 def config_value(key: str) -> str | None:
     """One value of ``scontrol show config`` (``SlurmdTimeout`` -> ``60 sec``), None when absent."""
     for line in run_slurm(["scontrol", "show", "config"]).splitlines():

@@ -97,12 +97,8 @@ def partition_capacity(job_id: str) -> Capacity | None:
         job = slurm.show_job(job_id)
         partition = job.get("Partition", "").split(",")[0]
         needed = int(job.get("NumNodes", "").split("-")[0])
-        out = slurm.run_slurm(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"]) if partition else ""
+        states = slurm.partition_node_states(partition) if partition else {}
     except (SlurmError, ValueError):
         return None
-    usable = {
-        name
-        for name, _, state in (line.partition("|") for line in out.splitlines())
-        if name and not state.rstrip("*~#!%$@^-").startswith(("drain", "drng"))
-    }
+    usable = {n for n, state in states.items() if not state.rstrip("*~#!%$@^-").startswith(("drain", "drng"))}
     return Capacity(frozenset(usable), needed) if usable else None
