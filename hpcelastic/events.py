@@ -128,8 +128,9 @@ def resubmitted(
     )
 
 
-def cancelled(*, job_id: str) -> Event:
-    return _event(CANCELLED, job_id=job_id)
+def cancelled(*, job_id: str, signal: str | None = None) -> Event:
+    """``signal``: the user stopped ``hpcelastic run`` with it (Ctrl-C is SIGINT); None for a cancel."""
+    return _event(CANCELLED, job_id=job_id, **({"signal": signal} if signal else {}))
 
 
 # ---- one attempt ------------------------------------------------------------------------------

@@ -165,8 +165,7 @@ def run_local(spec: LocalRun) -> int:
 def stopped_by_user(run_dir: RunDir, signum: int) -> None:
     """Record that the user stopped the run with ``signum``: cancelled, so that no decision brings it back."""
     mark_cancelled(run_dir)
-    cancelled = events.cancelled(job_id=run_dir.local_job_id)
-    run_dir.record(events.Event(cancelled.name, {**cancelled.fields, "signal": signal.Signals(signum).name}))
+    run_dir.record(events.cancelled(job_id=run_dir.local_job_id, signal=signal.Signals(signum).name))
 
 
 @dataclass(frozen=True)
