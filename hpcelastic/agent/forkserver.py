@@ -12,9 +12,9 @@ file descriptors passed alongside (``SCM_RIGHTS``).
   ``code`` follows ``Popen.returncode`` (``-SIGNUM`` for a signal).
 
 The worker (a fork of the server) becomes what ``python -u SCRIPT ARGS`` would have been: its own
-session, ``PR_SET_PDEATHSIG`` (the server dies with the agent), fresh signal dispositions, the
-environment replaced wholesale, cwd, argv, ``sys.path[0]``, stdio on the log pipe, reseeded random
-generators, and ``SCRIPT`` run as ``__main__`` by ``runpy.run_path``. It ends with the codes,
+session, ``PR_SET_PDEATHSIG`` (the server dies with the agent), its share of the CPUs, fresh signal
+dispositions, the environment replaced wholesale, cwd, argv, ``sys.path[0]``, stdio on the log pipe,
+reseeded random generators, and ``SCRIPT`` run as ``__main__`` by ``runpy.run_path``. It ends with the codes,
 tracebacks and shutdown a cold start shows (threads joined, atexit handlers run, open files flushed),
 then ``os._exit`` instead of tearing torch's modules down object by object (seconds). Differences: the
 hash seed is the server's; variables read while importing the preloads come from the server's
@@ -158,6 +158,9 @@ def _become_worker(req: dict[str, Any], server_pid: int) -> None:
         with contextlib.suppress(OSError, ValueError):
             signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if req.get("cpus"):  # its share (hpcelastic/agent/cpus.py), as a cold worker's preexec_fn sets it
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, req["cpus"])
     out = req["_fds"][0]
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -442,9 +445,10 @@ class ForkServer:
         orig_argv: list[str],
         ptracer: int = 0,
         ignore_signals: tuple[int, ...] = (),
+        cpus: tuple[int, ...] = (),
     ) -> tuple[int, int]:
         """Fork a worker running ``argv`` (script first) with output on ``out_fd``, ``ignore_signals``
-        ignored: (pid, pidfd)."""
+        ignored, bound to ``cpus`` (all the server's when empty): (pid, pidfd)."""
         with self._lock:
             if self.problem:
                 raise ForkServerError(self.problem)
@@ -459,6 +463,7 @@ class ForkServer:
                 "unbuffered": True,
                 "ptracer": ptracer,
                 "ignore_signals": [int(sig) for sig in ignore_signals],
+                "cpus": list(cpus),
             }
             try:
                 send(self._sock, req, [out_fd])

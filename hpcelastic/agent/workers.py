@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from hpcelastic import handoff
+from hpcelastic.agent import cpus
 from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
 from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
@@ -54,12 +55,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _OUT_LOCK = threading.Lock()
 
 
-def _child_setup(ignore: tuple[int, ...] = ()) -> None:  # runs in the child between fork and exec
+def _child_setup(ignore: tuple[int, ...] = (), share: cpus.Share | None = None) -> None:
+    """Runs in the child between fork and exec: parent-death signal, ptracer, ``ignore`` ignored, and
+    the worker's CPUs (:mod:`hpcelastic.agent.cpus`)."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # Yama ptrace_scope 1: let the agent's py-spy (a sibling) read this worker (hpcelastic.hangs.pyspy).
     _libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(os.getppid()), 0, 0, 0)
     for sig in ignore:  # an ignored signal stays ignored across exec, until the script handles it
         signal.signal(sig, signal.SIG_IGN)
+    cpus.apply(share)
 
 
 def tree_marker() -> str:
@@ -178,11 +182,17 @@ AGENT_SECRET_VARIABLE = "HPCELASTIC_SECRET"
 
 
 def worker_env(
-    cfg: WorkerConfig, rnd: Round, local_rank: int, error_file: Path, resume: str | None = None
+    cfg: WorkerConfig,
+    rnd: Round,
+    local_rank: int,
+    error_file: Path,
+    resume: str | None = None,
+    share: cpus.Share | None = None,
 ) -> dict[str, str]:
     """The full torchrun environment contract plus the ``HPCELASTIC_*`` variables for one worker.
 
-    ``resume`` is the published checkpoint handed to this round (``HPCELASTIC_RESUME_FROM``).
+    ``resume`` is the published checkpoint handed to this round (``HPCELASTIC_RESUME_FROM``);
+    ``share``: the worker's CPUs, whose count is its ``OMP_NUM_THREADS`` unless the job set one.
     """
     env = base_env(cfg.environ, cfg.nproc)
     rank = rnd.rank_offset + local_rank
@@ -213,6 +223,8 @@ def worker_env(
     )
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
+    if share and "OMP_NUM_THREADS" not in cfg.environ:
+        env["OMP_NUM_THREADS"] = str(len(share))
     if rnd.num_replica_groups:
         # torchft (hpcelastic.agent.replicas): the group's store is served by the coordinator's agent.
         env.update(
@@ -347,6 +359,8 @@ class WorkerGroup:
         self.round: Round | None = None
         #: A worker reported a training step in this attempt (kept when the workers are stopped).
         self.progressed = False
+        #: Each local rank's CPUs (agent/cpus.py), None when the job turned the split off.
+        self.cpu_shares = cpus.worker_shares(cfg.environ, cfg.nproc)
 
     def start(self, rnd: Round) -> float:
         """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
@@ -360,8 +374,9 @@ class WorkerGroup:
             error_file = log_dir / f"error-round{rnd.round}-rank{rank}.json"
             with contextlib.suppress(FileNotFoundError):
                 error_file.unlink()
-            env = worker_env(self.cfg, rnd, local_rank, error_file, resume)
-            proc, pidfd = self._spawn(argv, env, first=local_rank == 0)
+            share = self.cpu_shares[local_rank] if self.cpu_shares else None
+            env = worker_env(self.cfg, rnd, local_rank, error_file, resume, share)
+            proc, pidfd = self._spawn(argv, env, share, first=local_rank == 0)
             self._watchdog.add(proc.pid)
             worker = Worker(local_rank, rank, proc, pidfd, error_file, time.time())
             worker.reader = threading.Thread(
@@ -373,9 +388,10 @@ class WorkerGroup:
         return time.time()
 
     def _spawn(
-        self, argv: tuple[str, ...], env: dict[str, str], first: bool
+        self, argv: tuple[str, ...], env: dict[str, str], share: cpus.Share | None, first: bool
     ) -> tuple[subprocess.Popen[bytes] | WarmProc, int]:
-        """One worker and the descriptor that turns readable at its exit: forked warm when possible."""
+        """One worker on ``share`` and the descriptor that turns readable at its exit: forked warm when
+        possible."""
         server = self._forkserver
         if first:
             self.spawn = "cold"
@@ -388,7 +404,13 @@ class WorkerGroup:
             r, w = os.pipe2(os.O_CLOEXEC)
             try:
                 pid, pidfd = server.spawn(
-                    list(argv[2:]), env, w, list(argv), os.getpid(), ignore_signals=(self._stop_signal,)
+                    list(argv[2:]),
+                    env,
+                    w,
+                    list(argv),
+                    os.getpid(),
+                    ignore_signals=(self._stop_signal,),
+                    cpus=share or (),
                 )
             except ForkServerError as e:
                 os.close(r)
@@ -405,7 +427,7 @@ class WorkerGroup:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=functools.partial(_child_setup, (self._stop_signal,)),
+            preexec_fn=functools.partial(_child_setup, (self._stop_signal,), share),
         )
         return proc, exit_fd(proc.pid)
 

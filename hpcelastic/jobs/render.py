@@ -25,8 +25,19 @@ from hpcelastic.parse import is_env_name
 from hpcelastic.resources import data_dir
 
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
+#: ``--cpus-per-task``: srun (Slurm 22.05 and later) does not inherit sbatch's, and a site with
+#: task/affinity or task/cgroup may then bind each agent, and all its workers, to one CPU. The batch
+#: script sets ``$agent_cpus`` (sbatch_templates/default.sbatch.j2) to every CPU the job holds on a node.
 #: ``--no-kill``: a node's death takes only its own task; the agents, not srun, handle the lost node.
-SRUN_PREFIX = ("srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--unbuffered")
+#: Shell text, not quoted: each word is a constant.
+SRUN_PREFIX = (
+    "srun",
+    "--ntasks-per-node=1",
+    '--cpus-per-task="$agent_cpus"',
+    "--kill-on-bad-exit=0",
+    "--no-kill",
+    "--unbuffered",
+)
 
 
 @dataclass(frozen=True)
@@ -152,8 +163,8 @@ def agent_line(argv: Sequence[str]) -> str:
     agent = list(argv)
     cut1 = agent.index("--max-restarts")
     cut2 = agent.index("--signal")
-    groups = [SRUN_PREFIX, agent[:cut1], agent[cut1:cut2], agent[cut2:]]
-    return " \\\n  ".join(_join(g) for g in groups)
+    groups = [agent[:cut1], agent[cut1:cut2], agent[cut2:]]
+    return " \\\n  ".join([" ".join(SRUN_PREFIX), *(_join(g) for g in groups)])
 
 
 def _environment(template: str):  # -> jinja2.Environment, imported lazily

@@ -75,16 +75,13 @@ def test_agent_line_has_the_documented_form(tmp_path: Path) -> None:
     doc = DOCS.read_text().split("## Agent command line", 1)[1].split("```")[1].replace("\\\n", "")
     doc_words = doc.split()
     # srun prefix, then PYTHON, then the fixed words of the documented form
-    assert (
-        argv[:5]
-        == doc_words[:5]
-        == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "--unbuffered"]
-    )
-    assert argv[5] == spec.python
-    assert argv[6:9] == doc_words[6:9] == ["-m", "hpcelastic", "agent"]
+    srun = ["srun", "--ntasks-per-node=1", "--cpus-per-task=$agent_cpus", "--kill-on-bad-exit=0", "--no-kill"]
+    assert argv[:6] == shlex.split(" ".join(doc_words[:6])) == [*srun, "--unbuffered"]
+    assert argv[6] == spec.python
+    assert argv[7:10] == doc_words[7:10] == ["-m", "hpcelastic", "agent"]
     documented = re.findall(r"--[a-z-]+", doc)
-    used = [w for w in argv[9 : argv.index("--")] if w.startswith("--")]
-    assert used == [o for o in documented[4:] if o in used], "options out of the documented order"
+    used = [w for w in argv[10 : argv.index("--")] if w.startswith("--")]
+    assert used == [o for o in documented[5:] if o in used], "options out of the documented order"
     assert {"--run-dir", "--nodes", "--nproc-per-node", "--max-restarts"} <= set(used)
     assert argv[argv.index("--nodes") + 1] == "2:4"
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
@@ -207,3 +204,36 @@ def test_user_values_reach_the_job_byte_for_byte(
     ]
     name_line = next(d for d in directives(script.read_text()) if d.startswith("--job-name="))
     assert sbatch_parse_argument(name_line) == "--job-name=" + job_name
+
+
+def _agent_cpus(text: str, environ: dict[str, str]) -> str:
+    """``$agent_cpus`` as the rendered script's own lines compute it in bash from ``environ``."""
+    lines = text[text.index("\nagent_cpus=") : text.index("\n# --- one agent per node")]
+    env = {"PATH": os.environ["PATH"], **environ}
+    proc = subprocess.run(
+        ["bash", "-c", f'set -u{lines}\necho "$agent_cpus"'], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("on_node", "per_node", "cpus"),
+    [
+        ("16", "16(x4)", "16"),  # every CPU the job holds on the node
+        ("8", "8(x2),4", "4"),  # nodes that differ: the smallest count, which every node can give
+        ("12", "12,6(x3),24", "6"),
+        ("2", "2", "2"),
+        (None, None, "1"),  # never under sbatch; still a valid srun -c
+    ],
+)
+def test_srun_gets_every_cpu_the_job_holds_on_a_node(
+    tmp_path: Path, on_node: str | None, per_node: str | None, cpus: str
+) -> None:
+    """srun (Slurm >= 22.05) does not inherit sbatch's --cpus-per-task: the agent step asks for the
+    job's CPUs on each node itself, computed before srun from Slurm's batch variables."""
+    text = render(make_spec(tmp_path, "testbed", {"gpus_per_node": 2})).script_text
+    srun = '\nsrun --ntasks-per-node=1 --cpus-per-task="$agent_cpus" '
+    assert text.index("\nagent_cpus=") < text.index(srun)
+    environ = {"SLURM_CPUS_ON_NODE": on_node, "SLURM_JOB_CPUS_PER_NODE": per_node}
+    assert _agent_cpus(text, {k: v for k, v in environ.items() if v is not None}) == cpus
