@@ -3,7 +3,7 @@
 # slurmd daemons (node1..node4, `slurmd -N`), each node with 4 fake GPUs (character
 # device files made with mknod) so Slurm sets CUDA_VISIBLE_DEVICES/SLURM_STEP_GPUS.
 #
-#   scripts/testbed.sh install           apt packages (slurm-wlm, munge); idempotent
+#   scripts/testbed.sh install           apt packages (slurm-wlm, munge, nftables); idempotent
 #   scripts/testbed.sh up                write the config, start munge + daemons, wait until idle
 #                                        (an instance that is already running keeps its config)
 #   scripts/testbed.sh down              stop this instance's daemons and its job processes (keeps the config)
@@ -14,6 +14,23 @@
 #                                        after SlurmdTimeout (TESTBED_SLURMD_TIMEOUT) and acts on its jobs.
 #   scripts/testbed.sh revive-node NODE  restart its slurmd and `scontrol update State=RESUME`
 #   scripts/testbed.sh pids NODE         the pids kill-node would kill (nothing is killed)
+#   scripts/testbed.sh addr NODE         the node's address (NodeAddr)
+#
+# Network faults, on instances up with TESTBED_NETNS=1 only (elsewhere: one-line error, exit 2). Each
+# prints one line and returns at once; a timed fault ends itself from a detached background process.
+# They drop or delay packets on the fabric side of the node's link: the node stays up, its processes
+# run and see no error, its files (the shared filesystem) are untouched.
+#   scripts/testbed.sh cut-link NODE [SECONDS]   every packet between NODE and anything else dropped,
+#                                        both ways; for SECONDS (omitted or 0: until heal)
+#   scripts/testbed.sh netem NODE ARGS...        `tc qdisc ... netem ARGS` on the node's link, both
+#                                        directions (`loss 5%`, `delay 50ms 20ms`...). On a kernel without
+#                                        sch_netem (this CI machine) only `loss P%` works (nftables);
+#                                        anything else: an error, exit 2.  `netem NODE off` removes it.
+#   scripts/testbed.sh partition NODE PEER...    NODE and each PEER (a node, or `slurmctld`) exchange
+#                                        no packets, both ways; everything else still works
+#   scripts/testbed.sh flap NODE DOWN_S UP_S COUNT   link cut for DOWN_S, up for UP_S, COUNT times
+#   scripts/testbed.sh heal NODE         undo every fault of NODE now (cut, netem, partition, flap)
+#   scripts/testbed.sh exec NODE CMD...  run CMD in the node's network namespace
 #
 # Instances: the testbed touches only the daemons it started (pid files in its state dir, each pid's
 # command line checked before a signal). TESTBED_NAME picks the instance:
@@ -32,9 +49,23 @@
 #   TESTBED_PREEMPT_GRACE=N (with TESTBED_PREEMPT=1): `debug` gets GraceTime=N and the cluster
 #            SlurmctldParameters=preempt_send_user_signal (22.05; PreemptParameters= from 23.02),
 #            as sites that let preempted jobs checkpoint configure it.
+#   TESTBED_TASK_PLUGIN (task/none): Slurm's TaskPlugin, e.g. task/affinity (binds each task to its
+#            CPUs), task/cgroup (a cpuset per step, cgroup.conf ConstrainCores=yes; works on this
+#            machine's cgroup v1), or "task/cgroup,task/affinity". Binding uses the host's CPU ids:
+#            TESTBED_CPUS_PER_NODE must then be <= the host's CPUs (nproc), or binding fails.
+#   TESTBED_NETNS=1: each node gets a network of its own (stored in the state dir; later commands
+#            of the instance go by it): its slurmd, and so every step and process of the node, runs in
+#            network namespace hpce-NAME-NODE with address 198.18.I.i/24 (RFC 2544 benchmarking range)
+#            on eth0, a veth to bridge hpcebrI (198.18.I.254) in the root namespace, where slurmctld
+#            runs (SlurmctldHost=host(198.18.I.254)). No route beyond 198.18.I.0/24. munge and the
+#            filesystem are shared (a socket path, files). `down` removes the namespaces (killing
+#            what still runs there), veths, bridge, nftables tables and fault timers of the instance.
+#            Needs nftables (`install` adds it). Node-to-node frames cross the bridge: a host whose
+#            br_netfilter sends them through an iptables FORWARD chain that drops (a Docker host) cuts
+#            the nodes off from each other; this CI machine loads no iptables table, so nothing drops.
 #
-# Node names resolve to their own loopback address (node1 -> 127.0.1.1, ...) through
-# /etc/hosts, so every emulated node has its own IP, like a real cluster.
+# Node names resolve to their own loopback address (node1 -> 127.0.1.1, ...) or, with TESTBED_NETNS=1,
+# their namespace's address through /etc/hosts, so every emulated node has its own IP, like a real cluster.
 # Needs root (it writes /etc/slurm and /etc/hosts): run it on a throw-away machine or CI.
 set -euo pipefail
 
@@ -53,6 +84,7 @@ SLURMD_TIMEOUT=${TESTBED_SLURMD_TIMEOUT:-60}
 UNRESOLVABLE=${TESTBED_UNRESOLVABLE:-}
 PREEMPT=${TESTBED_PREEMPT:-0}
 PREEMPT_GRACE=${TESTBED_PREEMPT_GRACE:-0}
+TASK_PLUGIN=${TESTBED_TASK_PLUGIN:-task/none}
 if [ "$NAME" = default ]; then
   INDEX=1
   CONF_DIR=/etc/slurm
@@ -75,9 +107,27 @@ fi
 CONF=$CONF_DIR/slurm.conf
 CTLD_PORT=$((6817 + 100 * (INDEX - 1)))
 NODE_PORT0=$((17000 + 100 * (INDEX - 1)))
-NET=127.0.$INDEX
 DEVS=$STATE/dev
 RUN=$STATE/run
+# TESTBED_NETNS (and the index its addresses, bridge and veths are named by) is read on `up` of a
+# stopped instance and stored here; every later command of the instance goes by the stored values.
+NETNS_FILE=$STATE/netns
+read -r NETNS NET_INDEX 2>/dev/null <"$NETNS_FILE" || true
+NETNS=${NETNS:-0}
+NET_INDEX=${NET_INDEX:-$INDEX}
+FAULTS=$STATE/faults
+
+set_net() { # the addresses of the current mode
+  BRIDGE=hpcebr$NET_INDEX
+  if [ "$NETNS" = 1 ]; then
+    NET=198.18.$NET_INDEX
+    CTLD_ADDR=$NET.254
+  else
+    NET=127.0.$INDEX
+    CTLD_ADDR=127.0.0.1
+  fi
+}
+set_net
 export SLURM_CONF=$CONF
 
 log() { printf 'testbed[%s]: %s\n' "$NAME" "$*" >&2; }
@@ -91,14 +141,15 @@ need_root() {
 
 install_packages() {
   need_root
+  # nft (the network faults) is needed by netns instances only.
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
-     && command -v sbatch >/dev/null; then
+     && command -v sbatch >/dev/null && { { [ "$NETNS" != 1 ] && [ "${TESTBED_NETNS:-0}" != 1 ]; } || command -v nft >/dev/null; }; then
     return 0
   fi
-  log "installing slurm-wlm and munge from Debian"
+  log "installing slurm-wlm, munge and nftables from Debian"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  apt-get install -y -qq --no-install-recommends slurm-wlm munge nftables >/dev/null
 }
 
 node_names() {
@@ -147,7 +198,7 @@ write_config() {
   {
     echo "# Written by hpcelastic scripts/testbed.sh (instance $NAME): a test cluster on one host."
     echo "ClusterName=$CLUSTER"
-    echo "SlurmctldHost=$host(127.0.0.1)"
+    echo "SlurmctldHost=$host($CTLD_ADDR)"
     echo "SlurmctldPort=$CTLD_PORT"
     echo "SlurmUser=root"
     echo "AuthType=auth/munge"
@@ -165,7 +216,7 @@ write_config() {
     echo "SlurmdDebug=info"
     # No cgroups in containers: track processes by parentage.
     echo "ProctrackType=proctrack/linuxproc"
-    echo "TaskPlugin=task/none"
+    echo "TaskPlugin=$TASK_PLUGIN"
     echo "JobAcctGatherType=jobacct_gather/none"
     echo "AccountingStorageType=accounting_storage/none"
     echo "SelectType=select/cons_tres"
@@ -205,7 +256,12 @@ write_config() {
   } >"$CONF_DIR/gres.conf"
   # No cgroup.conf: Slurm 22.05 then uses its defaults, which work in containers
   # (a "CgroupPlugin=disabled" line is 23.x syntax and makes 22.05 slurmd fail).
-  rm -f "$CONF_DIR/cgroup.conf"
+  # task/cgroup confines a step to its CPUs only with ConstrainCores=yes (the default is no).
+  if [[ "$TASK_PLUGIN" == *task/cgroup* ]]; then
+    echo "ConstrainCores=yes" >"$CONF_DIR/cgroup.conf"
+  else
+    rm -f "$CONF_DIR/cgroup.conf"
+  fi
 }
 
 start_munge() {
@@ -328,6 +384,12 @@ node_job_pids() { # NODE
     p=${f#/proc/}
     seed[${p%%/*}]=1
   done
+  if [ "$NETNS" = 1 ] && [ -e "/run/netns/$(netns_of "$node")" ]; then
+    # Every process in the node's network namespace is the node's.
+    for p in $(ip netns pids "$(netns_of "$node")" 2>/dev/null || true); do seed[$p]=1; done
+    p=$(slurmd_pid "$node")
+    if [ -n "$p" ]; then unset "seed[$p]"; fi
+  fi
   unset "seed[$self]"
   [ "${#seed[@]}" -gt 0 ] || return 0
   # Descendants, from one snapshot of the process table.
@@ -363,7 +425,11 @@ start_slurmd() { # NODE
   [ -n "$(slurmd_pid "$node")" ] && return 0
   mkdir -p "$STATE/spool/$node" "$RUN"
   rm -f "$(slurmd_pidfile "$node")"
-  slurmd -f "$CONF" -N "$node"
+  if [ "$NETNS" = 1 ]; then
+    in_node "$node" slurmd -f "$CONF" -N "$node"
+  else
+    slurmd -f "$CONF" -N "$node"
+  fi
   wait_for "slurmd $node to write its pid file" 40 has_slurmd "$node" \
     || { tail -n 20 "$LOGS/slurmd-$node.log" >&2 || true; return 1; }
 }
@@ -387,6 +453,242 @@ stop_pids() { # NAME PID...: SIGTERM, then SIGKILL after ~10 s
   done
 }
 
+# --- network namespaces (TESTBED_NETNS=1) --------------------------------------------------------
+# Node i of instance I lives in netns hpce-NAME-NODE as 198.18.I.i/24 on its eth0, the peer of veth
+# hpceIn<i> on bridge hpcebrI (198.18.I.254, slurmctld's address) in the root namespace. No default
+# route: a node reaches its instance's subnet and nothing else. Faults are nftables rules on the
+# bridge side of the node's veth (table netdev hpce_NAME_NODE: its egress goes to the node, its ingress
+# comes from it), so they hit every packet of the node and nothing of the others, silently, as a
+# fabric does: the node's interfaces stay up, its sockets see no error, and files (the shared
+# filesystem, munge's socket) are not network.
+
+netns_of() { echo "hpce-$NAME-$1"; }
+nft_table_of() { echo "hpce_${NAME}_$1"; }
+node_index() { echo "${1#"$PREFIX"}"; }
+veth_of() { echo "hpce${NET_INDEX}n$(node_index "$1")"; }
+in_node() { local ns; ns=$(netns_of "$1"); shift; nsenter --net="/run/netns/$ns" "$@"; }
+
+need_netns() { # COMMAND
+  if [ "$NETNS" != 1 ]; then
+    log "$1 needs an instance with a network per node (up a stopped instance with TESTBED_NETNS=1)"
+    exit 2
+  fi
+}
+
+net_up() {
+  local node i ns veth
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr replace "$CTLD_ADDR/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  for node in $(node_names); do
+    i=$(node_index "$node")
+    ns=$(netns_of "$node")
+    veth=$(veth_of "$node")
+    [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+    if ! ip link show "$veth" >/dev/null 2>&1; then
+      ip link add "$veth" type veth peer name "${veth}p"
+      ip link set "${veth}p" netns "$ns"
+      ip -n "$ns" link set "${veth}p" name eth0
+    fi
+    ip -n "$ns" addr replace "$NET.$i/24" dev eth0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    ip link set "$veth" master "$BRIDGE" up
+    nft -f - <<EOF
+table netdev $(nft_table_of "$node")
+delete table netdev $(nft_table_of "$node")
+table netdev $(nft_table_of "$node") {
+  chain cut_in {}
+  chain cut_out {}
+  chain part_in {}
+  chain part_out {}
+  chain loss_in {}
+  chain loss_out {}
+  chain to_node { type filter hook egress device "$veth" priority 0; policy accept; jump cut_in; jump part_in; jump loss_in; }
+  chain from_node { type filter hook ingress device "$veth" priority 0; policy accept; jump cut_out; jump part_out; jump loss_out; }
+}
+EOF
+  done
+}
+
+net_down() { # the namespaces (and their processes), veths, bridge and fault timers of this instance
+  local ns p node
+  for node in $(node_names); do stop_timer "$node"; done
+  for p in $(nft list tables netdev 2>/dev/null | awk -v pre="hpce_${NAME}_" 'index($3, pre) == 1 {print $3}'); do
+    nft delete table netdev "$p" 2>/dev/null || true
+  done
+  for ns in $(ip netns list 2>/dev/null | awk -v pre="hpce-$NAME-" 'index($1, pre) == 1 {print $1}'); do
+    p=$(ip netns pids "$ns" 2>/dev/null | xargs)
+    # shellcheck disable=SC2086
+    if [ -n "$p" ]; then kill -KILL $p 2>/dev/null || true; fi
+    ip netns del "$ns" 2>/dev/null || true
+  done
+  for p in $(ip -o link show 2>/dev/null | awk -F': ' -v pre="hpce${NET_INDEX}n" 'index($2, pre) == 1 {sub(/@.*/, "", $2); print $2}'); do
+    ip link del "$p" 2>/dev/null || true
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+}
+
+node_addr() { # NODE or slurmctld
+  if [ "$1" = slurmctld ]; then echo "$CTLD_ADDR"; else echo "$NET.$(node_index "$1")"; fi
+}
+
+nft_rules() { # NODE CHAIN RULE: RULE in NODE's CHAIN_in (to it: DIR=saddr) and CHAIN_out (from it: DIR=daddr)
+  nft -f - <<EOF
+add rule netdev $(nft_table_of "$1") ${2}_in ${3//DIR/saddr}
+add rule netdev $(nft_table_of "$1") ${2}_out ${3//DIR/daddr}
+EOF
+}
+
+nft_flush() { # NODE CHAIN
+  nft -f - <<EOF
+flush chain netdev $(nft_table_of "$1") ${2}_in
+flush chain netdev $(nft_table_of "$1") ${2}_out
+EOF
+}
+
+link_cut() { nft_flush "$1" cut; nft_rules "$1" cut drop; }
+link_restore() { nft_flush "$1" cut; }
+
+timer_pidfile() { echo "$FAULTS/$1.timer"; }
+
+stop_timer() { # NODE: end NODE's background fault process (timed cut or flap), if any
+  local f p
+  f=$(timer_pidfile "$1")
+  p=$(pid_from "$f")
+  if [ -n "$p" ] && [[ "$(cmdline "$p") " == *" _timer $1 "* ]]; then
+    kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null || true
+  fi
+  rm -f "$f"
+}
+
+start_timer() { # NODE ARGS...: `testbed.sh _timer NODE ARGS...`, detached (own session, no stdio)
+  local node=$1
+  shift
+  stop_timer "$node"
+  mkdir -p "$FAULTS"
+  setsid bash "${BASH_SOURCE[0]}" _timer "$node" "$@" </dev/null >/dev/null 2>&1 &
+  echo $! >"$(timer_pidfile "$node")"
+}
+
+timer() { # NODE cut SECONDS | NODE flap DOWN_S UP_S COUNT (the link is cut when it starts)
+  local node=$1 kind=$2 n
+  case "$kind" in
+    cut)
+      sleep "$3"
+      link_restore "$node"
+      ;;
+    flap)
+      for n in $(seq 1 "$5"); do
+        if [ "$n" -gt 1 ]; then link_cut "$node"; fi
+        sleep "$3"
+        link_restore "$node"
+        if [ "$n" -lt "$5" ]; then sleep "$4"; fi
+      done
+      ;;
+  esac
+  rm -f "$(timer_pidfile "$node")"
+}
+
+seconds() { # WHAT VALUE: exit 2 unless VALUE is a non-negative number
+  if ! [[ "$2" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+    log "$1 must be a number of seconds, not '$2'"
+    exit 2
+  fi
+}
+
+cut_link() { # NODE [SECONDS]
+  local node=$1 secs=${2:-0}
+  seconds SECONDS "$secs"
+  stop_timer "$node"
+  link_cut "$node"
+  if [[ "$secs" =~ ^0*([.]0*)?$ ]]; then
+    echo "cut-link $node: every packet to and from $(node_addr "$node") dropped until heal"
+  else
+    start_timer "$node" cut "$secs"
+    echo "cut-link $node: every packet to and from $(node_addr "$node") dropped for $secs s"
+  fi
+}
+
+flap() { # NODE DOWN_S UP_S COUNT
+  local node=$1
+  seconds DOWN_S "${2:-}"
+  seconds UP_S "${3:-}"
+  if ! [[ "${4:-}" =~ ^[1-9][0-9]*$ ]]; then
+    log "flap: COUNT must be a positive integer, not '${4:-}'"
+    exit 2
+  fi
+  stop_timer "$node"
+  link_cut "$node"
+  start_timer "$node" flap "$2" "$3" "$4"
+  echo "flap $node: link cut for $2 s, restored for $3 s, $4 times"
+}
+
+partition() { # NODE PEER...
+  local node=$1 peer
+  shift
+  [ "$#" -gt 0 ] || { log "usage: partition NODE PEER..."; exit 2; }
+  for peer in "$@"; do
+    [ "$peer" = slurmctld ] || valid_node "$peer"
+    if [ "$peer" = "$node" ]; then log "partition: $node cannot be cut off from itself"; exit 2; fi
+  done
+  for peer in "$@"; do nft_rules "$node" part "ip DIR $(node_addr "$peer") drop"; done
+  echo "partition $node: no packets between it and $*"
+}
+
+netem_off() { # NODE
+  tc qdisc del dev "$(veth_of "$1")" root 2>/dev/null || true
+  in_node "$1" tc qdisc del dev eth0 root 2>/dev/null || true
+  nft_flush "$1" loss
+}
+
+netem() { # NODE ARGS... | NODE off
+  local node=$1 pct basis
+  shift
+  [ "$#" -gt 0 ] || { log "usage: netem NODE ARGS... | netem NODE off"; exit 2; }
+  netem_off "$node"
+  if [ "$*" = off ]; then
+    echo "netem $node: off"
+    return 0
+  fi
+  # Both directions: the bridge side's egress reaches the node, the node's eth0 egress leaves it.
+  if tc qdisc replace dev "$(veth_of "$node")" root netem "$@" 2>/dev/null; then
+    in_node "$node" tc qdisc replace dev eth0 root netem "$@"
+    echo "netem $node: $* (tc netem, both directions)"
+    return 0
+  fi
+  # A kernel without sch_netem: `loss P%` is emulated with nftables, nothing else can be.
+  if [ "$#" -eq 2 ] && [ "$1" = loss ] && [[ "$2" =~ ^[0-9]+([.][0-9]{1,2})?%?$ ]]; then
+    pct=${2%\%}
+    basis=$(awk -v p="$pct" 'BEGIN {printf "%d", p * 100 + 0.5}')
+    if [ "$basis" -gt 10000 ]; then log "netem: loss above 100%"; exit 2; fi
+    nft_rules "$node" loss "numgen random mod 10000 < $basis drop"
+    echo "netem $node: loss $pct% in each direction (nftables: this kernel has no sch_netem)"
+    return 0
+  fi
+  log "netem $node: this kernel has no sch_netem (CONFIG_NET_SCH_NETEM): only 'loss P%' is emulated, not '$*'"
+  exit 2
+}
+
+heal() { # NODE
+  local node=$1
+  stop_timer "$node"
+  nft_flush "$node" cut
+  nft_flush "$node" part
+  netem_off "$node"
+  echo "heal $node: link up, no partition, no netem"
+}
+
+fault_checks() { # COMMAND NODE: a netns instance, a node of it, its namespace there
+  need_netns "$1"
+  valid_node "$2"
+  need_root
+  if [ ! -e "/run/netns/$(netns_of "$2")" ]; then
+    log "$1: no namespace for $2 (instance down?)"
+    exit 2
+  fi
+}
+
 # --- commands ------------------------------------------------------------------------------------
 
 up() {
@@ -398,8 +700,15 @@ up() {
     # Never rewrite the config under running daemons: they would disagree with their clients.
     log "slurmctld $(ctld_pid) already running: config $CONF kept (down + up applies new settings)"
   else
+    net_down
+    NETNS=${TESTBED_NETNS:-0}
+    NET_INDEX=$INDEX
+    set_net
+    mkdir -p "$STATE"
+    echo "$NETNS $NET_INDEX" >"$NETNS_FILE"
     write_config
   fi
+  if [ "$NETNS" = 1 ]; then net_up; fi
   write_hosts
   make_fake_gpus
   start_munge
@@ -441,6 +750,10 @@ down() {
     # shellcheck disable=SC2086
     stop_pids "slurmctld" "$p" $kids || true
   fi
+  if [ "$NETNS" = 1 ]; then net_down; fi
+  for node in $(node_names); do # the cgroups task/cgroup made (leaf first)
+    find /sys/fs/cgroup/*/"slurm_$node" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done
   log "down"
 }
 
@@ -504,8 +817,22 @@ case "${1:-}" in
   kill-node) kill_node "${2:?usage: $0 kill-node NODE}" ;;
   revive-node) revive_node "${2:?usage: $0 revive-node NODE}" ;;
   pids) valid_node "${2:?usage: $0 pids NODE}"; node_pids "$2" ;;
+  addr) valid_node "${2:?usage: $0 addr NODE}"; node_addr "$2" ;;
+  exec)
+    fault_checks exec "${2:-}"
+    ns=$(netns_of "$2")
+    shift 2
+    exec nsenter --net="/run/netns/$ns" "$@"
+    ;;
+  cut-link) fault_checks cut-link "${2:-}"; cut_link "$2" "${3:-0}" ;;
+  netem) fault_checks netem "${2:-}"; node=$2; shift 2; netem "$node" "$@" ;;
+  partition) fault_checks partition "${2:-}"; node=$2; shift 2; partition "$node" "$@" ;;
+  flap) fault_checks flap "${2:-}"; flap "$2" "${3:-}" "${4:-}" "${5:-}" ;;
+  heal) fault_checks heal "${2:-}"; heal "$2" ;;
+  _timer) shift; timer "$@" ;;
   *)
-    echo "usage: [TESTBED_NAME=NAME] $0 install|up|down|restart|status|env|kill-node NODE|revive-node NODE|pids NODE" >&2
+    echo "usage: [TESTBED_NAME=NAME] $0 install|up|down|restart|status|env|kill-node NODE|revive-node NODE|pids NODE|addr NODE" >&2
+    echo "       netns instances: cut-link NODE [SECONDS]|netem NODE ARGS...|netem NODE off|partition NODE PEER...|flap NODE DOWN_S UP_S COUNT|heal NODE|exec NODE CMD..." >&2
     exit 2
     ;;
 esac

@@ -99,6 +99,38 @@ class Testbed:
         """Restart the node's slurmd and ``scontrol update State=RESUME`` it."""
         self.run("revive-node", node)
 
+    # Network faults: instances up with settings {"netns": "1"} only (scripts/testbed.sh says how).
+
+    def addr(self, node: str) -> str:
+        """The node's address (its NodeAddr; 198.18.I.i in a netns instance)."""
+        return self.run("addr", node).stdout.strip()
+
+    def node_argv(self, node: str, *argv: str) -> list[str]:
+        """The command line that runs ``argv`` in the node's network namespace (``testbed.sh exec``)."""
+        return ["bash", str(SCRIPT), "exec", node, *argv]
+
+    def cut_link(self, node: str, seconds: float = 0) -> str:
+        """Drop every packet between the node and anything else, both ways, for ``seconds`` (0: until
+        :meth:`heal`); returns at once, a detached process restores the link. The testbed's line."""
+        return self.run("cut-link", node, f"{seconds:g}").stdout.strip()
+
+    def netem(self, node: str, *args: str) -> str:
+        """``tc netem ARGS`` on the node's link, both directions (``"off"`` removes it). Without
+        sch_netem in the kernel only ``loss P%`` works (nftables); anything else raises."""
+        return self.run("netem", node, *args).stdout.strip()
+
+    def partition(self, node: str, *peers: str) -> str:
+        """The node and each peer (a node, or ``slurmctld``) exchange no packets, both ways."""
+        return self.run("partition", node, *peers).stdout.strip()
+
+    def flap(self, node: str, down_s: float, up_s: float, count: int) -> str:
+        """Cut the link for ``down_s``, restore it for ``up_s``, ``count`` times, in the background."""
+        return self.run("flap", node, f"{down_s:g}", f"{up_s:g}", str(count)).stdout.strip()
+
+    def heal(self, node: str) -> str:
+        """Undo every fault of the node now (cut, netem, partition, flap)."""
+        return self.run("heal", node).stdout.strip()
+
     def node_state(self, node: str) -> str:
         """The node's state from ``scontrol show node``, lowercase: ``idle``, ``down+not_responding``..."""
         out = self.slurm("scontrol", "show", "node", "-o", node, check=False)
