@@ -9,8 +9,10 @@ node, each worker on its share of them (agent/cpus.py), with ``OMP_NUM_THREADS``
 on one of the GPUs Slurm gave the node, whose device file it can open.
 
 Two cases: the default instance (``task/none``: nothing is bound, the agent has the host's CPUs;
-workers start cold) and instance ``aff`` (``task/affinity``, 2 nodes of 2 CPUs: binding uses the host's
-CPU ids, so no more than it has; warm starts).
+workers start cold) and instance ``aff`` (``task/cgroup,task/affinity``, a cpuset per step and tasks
+bound in it, as most clusters run them; 2 nodes of 2 CPUs: binding uses the host's CPU ids, so no more
+than it has; warm starts). The fake GPUs have no driver (opening one gives ENXIO); no device cgroup
+hides the other GPUs' files here, so only the allocated one's is asserted.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ AFFINITY = {
     "nodes": "2",
     "cpus_per_node": "2",
     "gpus_per_node": "2",
-    "task_plugin": "task/affinity",
+    "task_plugin": "task/cgroup,task/affinity",
 }
 
 PROBE = """
@@ -159,8 +161,8 @@ def test_task_none_agents_have_the_host_and_workers_split_it(
 
 
 def test_task_affinity_agents_get_all_the_jobs_cpus_of_their_node(affinity: Testbed, tmp_path: Path) -> None:
-    """task/affinity binding to cores: the agent runs on every CPU Slurm gave the job on its node (without
-    srun -c: on one), each worker on one of them."""
+    """task/cgroup and task/affinity binding to cores: the agent runs on every CPU Slurm gave the job on its
+    node (without srun -c: on one), each worker on one of them."""
     out, alloc = run_job(affinity, tmp_path, 2, "--env", "SLURM_CPU_BIND=cores")
     assert all(len(cpus) == 2 for cpus, _ in alloc.values()), alloc
     check_workers(affinity, out, alloc, {node: cpus for node, (cpus, _) in alloc.items()})
