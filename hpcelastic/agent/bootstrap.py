@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcelastic import handoff
-from hpcelastic.agent import messages
+from hpcelastic.agent import liveness, messages
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
 from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.health import GpuHealth
@@ -72,6 +72,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         on_message=inbox.post,
         heartbeat_interval=timing.heartbeat_interval,
         heartbeat_timeout=timing.heartbeat_timeout,
+        probe_timeout=timing.probe_timeout,
     )
     stack.callback(client.close)
     hello = messages.Hello(node_rank=ctx.node_rank, host=ctx.host, nproc=nproc, pid=os.getpid())
@@ -241,6 +242,7 @@ def host_coordinator(
         rdzv.run_dir,
         heartbeat_interval=timing.heartbeat_interval,
         heartbeat_timeout=timing.heartbeat_timeout,
+        probe_timeout=timing.probe_timeout,
     )
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
@@ -248,10 +250,9 @@ def host_coordinator(
 
 
 def fence_bound(timing: Timing) -> float:
-    """How long after the coordinator lost a silent agent that agent may still run workers: it misses the
-    coordinator's heartbeats for its own timeout (up to one interval later than the coordinator missed
-    its), then stops its workers (TERM, KILL after ``RESTART_KILL_GRACE``)."""
-    return timing.heartbeat_timeout + timing.heartbeat_interval + RESTART_KILL_GRACE
+    """How long after the coordinator lost a silent agent that agent may still run workers: its lease ended
+    no later than that, and it stops its workers (``liveness.fence_delay``)."""
+    return liveness.fence_delay(RESTART_KILL_GRACE)
 
 
 def install_signals(rt: NodeRuntime, wake: Wake, stack: contextlib.ExitStack) -> None:

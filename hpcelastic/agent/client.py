@@ -1,20 +1,24 @@
 """The agent's side of the control plane: one authenticated connection to the coordinator.
 
 A reader thread hands every message to a callback as it arrives (events are pushed, never polled);
-a heartbeat thread sends a heartbeat every ``heartbeat_interval`` and reports the coordinator lost
-when nothing arrived for ``heartbeat_timeout`` seconds. Both keep running while the agent's main
-thread is busy stopping workers.
+a heartbeat thread sends a heartbeat every ``heartbeat_interval`` and watches the agent's lease: the
+coordinator echoes each heartbeat it received, and when none was echoed for ``heartbeat_timeout`` the
+agent probes the coordinator over UDP (``liveness.py``); with no answer either for ``probe_timeout``
+more it reports the coordinator lost (the agent then stops its workers: the fence). A probe thread
+answers the coordinator's probes. All keep running while the agent's main thread is busy stopping
+workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from hpcelastic.agent import messages, protocol
+from hpcelastic.agent import liveness, messages, protocol
 
 RETRY_DELAY = 0.1
 CHALLENGE_TIMEOUT = 5.0
@@ -50,17 +54,29 @@ class CoordinatorClient:
         on_message: Callable[[messages.Message], None],
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 2.0,
+        probe_timeout: float = 2.0,
     ) -> None:
         self.host, self.port = host, port
         self._secret = secret
         self._on_message = on_message
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
+        self._probe_timeout = probe_timeout
         self._sock: socket.socket | None = None
         self._session: protocol.Session | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._last_recv = time.monotonic()
+        #: The lease: evidence that the coordinator heard this agent (``liveness.py``).
+        self.lease = liveness.Liveness.starting(time.monotonic(), heartbeat_timeout, probe_timeout)
+        self._probe_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._probe_sock.bind(("", 0))
+        self._probe_addr: tuple[str, int] | None = None
+        self._probe_key = b""
+        self._probe_counter = 0
+        self._probe_seen = 0
+        #: Send times of this agent's probes not yet answered, by counter.
+        self._probes_sent: dict[int, float] = {}
+        self._node_rank = -1
 
     def connect(self, hello: messages.Hello, timeout: float) -> messages.Welcome:
         """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
@@ -70,6 +86,8 @@ class CoordinatorClient:
         until ``timeout``: unauthenticated input never ends an agent sooner than an unreachable port.
         """
         deadline = time.monotonic() + timeout
+        hello = dataclasses.replace(hello, probe_port=self._probe_sock.getsockname()[1])
+        self._node_rank = hello.node_rank
         last_error = "no attempt"
         while True:
             try:
@@ -108,11 +126,13 @@ class CoordinatorClient:
                 raise _NoChallenge from None
             sock.settimeout(max(1.0, deadline - time.monotonic()))
             session, hello_frame = protocol.client_hello(self._secret, challenge, messages.encode(hello))
+            hello_sent = time.monotonic()
             sock.sendall(hello_frame)
             welcome = messages.Welcome.from_wire(
                 protocol.client_welcome(session, protocol.recv_payload(sock))
             )
-            # Reads and writes give up after this long: a hung coordinator cannot block the agent.
+            # A write gives up after this long (a hung coordinator cannot block the agent); a read that
+            # times out is retried: whether a silent coordinator is lost is the lease's decision.
             sock.settimeout(self._hb_timeout + 1.0)
         except OSError as e:
             sock.close()
@@ -124,23 +144,32 @@ class CoordinatorClient:
             sock.close()
             raise
         self._sock, self._session = sock, session
-        self._last_recv = time.monotonic()
+        self.lease = liveness.Liveness.starting(hello_sent, self._hb_timeout, self._probe_timeout)
+        if welcome.probe_port:
+            self._probe_addr = (sock.getpeername()[0], welcome.probe_port)
+            self._probe_key = liveness.probe_key(session)
         return welcome
 
     def start(self) -> None:
         """Start the reader and heartbeat threads."""
         threading.Thread(target=self._reader, name="hpcelastic-client-reader", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="hpcelastic-client-heartbeat", daemon=True).start()
+        if self._probe_addr is not None:
+            threading.Thread(target=self._prober, name="hpcelastic-client-probes", daemon=True).start()
 
-    def send(self, msg: messages.Message) -> bool:
-        """Send one message; False when the connection is gone (the loss is reported separately)."""
+    def send(self, msg: messages.Message, *, wait: bool = True) -> bool:
+        """Send one message; False when the connection is gone (the loss is reported separately) or, without
+        ``wait``, when another send is under way (a heartbeat never waits behind a large message)."""
         if self._sock is None or self._session is None or self._closed.is_set():
             return False
-        with self._lock:
-            try:
-                self._sock.sendall(self._session.encode(messages.encode(msg)))
-            except OSError:
-                return False
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            self._sock.sendall(self._session.encode(messages.encode(msg)))
+        except OSError:
+            return False
+        finally:
+            self._lock.release()
         return True
 
     def close(self) -> None:
@@ -150,6 +179,7 @@ class CoordinatorClient:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
+        self._probe_sock.close()
 
     def _lost(self, reason: str) -> None:
         if not self._closed.is_set():
@@ -158,13 +188,22 @@ class CoordinatorClient:
 
     def _reader(self) -> None:
         assert self._sock is not None and self._session is not None
+        frames = protocol.FrameBuffer()
         try:
-            while True:
-                wire = self._session.decode(protocol.recv_payload(self._sock))
-                self._last_recv = time.monotonic()
-                msg = messages.decode(messages.FROM_COORDINATOR, wire)
-                if msg is not None and not isinstance(msg, messages.Heartbeat):
-                    self._on_message(msg)
+            while not self._closed.is_set():
+                try:
+                    data = self._sock.recv(65536)
+                except TimeoutError:
+                    continue  # a silent stream is the lease's business (heartbeat thread), not a loss
+                if not data:
+                    raise ConnectionError("closed")
+                for payload in frames.feed(data):
+                    msg = messages.decode(messages.FROM_COORDINATOR, self._session.decode(payload))
+                    if isinstance(msg, messages.Heartbeat):
+                        if msg.echo is not None:
+                            self.lease.stream_heard(msg.echo)
+                    elif msg is not None:
+                        self._on_message(msg)
         except (OSError, ConnectionError):
             self._lost("connection to the coordinator closed")
         except protocol.ProtocolError as e:
@@ -173,9 +212,55 @@ class CoordinatorClient:
             self._lost(f"bad message from the coordinator: {e}")
 
     def _heartbeat(self) -> None:
-        while not self._closed.wait(self._hb_interval):
-            silent = time.monotonic() - self._last_recv
-            if silent > self._hb_timeout:
-                self._lost(f"no heartbeat from the coordinator for {silent:.1f} s")
+        next_beat = time.monotonic()
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if self.lease.lost(now):
+                silent = self.lease.silent_for(now)
+                self._lost(
+                    f"the coordinator has not confirmed hearing this agent for {silent:.1f} s "
+                    "(no heartbeat echoed, no probe answered)"
+                )
                 return
-            self.send(messages.Heartbeat())
+            if self.lease.probe_due(now):
+                self._send_probe(now)
+            if now >= next_beat:
+                next_beat = now + self._hb_interval
+                self.send(messages.Heartbeat(sent=now), wait=False)
+            self._closed.wait(min(liveness.PROBE_INTERVAL, max(0.0, next_beat - time.monotonic())))
+
+    def _send_probe(self, now: float) -> None:
+        if self._probe_addr is None:
+            return
+        self._probe_counter += 1
+        self._probes_sent[self._probe_counter] = now
+        probe = liveness.Probe(liveness.FROM_AGENT, liveness.QUERY, self._node_rank, self._probe_counter)
+        with contextlib.suppress(OSError):
+            self._probe_sock.sendto(liveness.encode(probe, self._probe_key), self._probe_addr)
+
+    def _prober(self) -> None:
+        """Answer the coordinator's probes; take its answers to ours as renewals of the lease."""
+        self._probe_sock.settimeout(0.5)
+        while not self._closed.is_set():
+            try:
+                data, addr = self._probe_sock.recvfrom(256)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                probe = liveness.decode(data, self._probe_key)
+            except protocol.ProtocolError:
+                continue  # not ours: nothing unauthenticated counts
+            if probe.sender != liveness.FROM_COORDINATOR or probe.node_rank != self._node_rank:
+                continue
+            if probe.kind == liveness.ANSWER:
+                sent = self._probes_sent.pop(probe.counter, None)
+                if sent is not None and probe.flags & liveness.MEMBER:
+                    self.lease.heard(sent)
+                    self._probes_sent = {c: t for c, t in self._probes_sent.items() if c > probe.counter}
+            elif probe.counter > self._probe_seen:
+                self._probe_seen = probe.counter
+                answer = dataclasses.replace(probe, sender=liveness.FROM_AGENT, kind=liveness.ANSWER)
+                with contextlib.suppress(OSError):
+                    self._probe_sock.sendto(liveness.encode(answer, self._probe_key), addr)

@@ -4,9 +4,10 @@ One thread runs a ``selectors`` loop (epoll) over the listening socket and every
 so a thousand agents cost a thousand idle sockets and nothing else. Each connection is authenticated
 (see ``protocol.py``) before it may join. Events are pushed: every report from an agent is handed to
 :class:`~hpcelastic.agent.job_state.JobState`, and its decisions go out at once, one message per
-agent, so control traffic per event is O(nodes). Heartbeats both ways detect a silent node within
-``heartbeat_timeout`` seconds (frames already received are read before a connection is expired); a
-closed connection is seen immediately.
+agent, so control traffic per event is O(nodes). Heartbeats both ways: an agent silent for
+``heartbeat_timeout`` is suspected and probed over UDP, and lost only when it answered no probe either
+for ``probe_timeout`` more (``liveness.py``; frames already received are read first); a closed connection
+is seen immediately. Each heartbeat to an agent echoes the latest one received from it: the agent's lease.
 
 Strangers cost little: at most :data:`MAX_PREAUTH` unauthenticated connections, frames of at most
 :data:`MAX_PREAUTH_FRAME` bytes before authentication, and a listener that backs off when ``accept``
@@ -18,6 +19,7 @@ delays a heartbeat nor ends the control plane.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import resource
@@ -30,7 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from hpcelastic.agent import messages, protocol
+from hpcelastic.agent import liveness, messages, protocol
 from hpcelastic.agent.event_writer import EventWriter
 from hpcelastic.agent.job_state import Action, JobState, Phase, Record, SaveStacks, Say, Send
 from hpcelastic.events import EventName
@@ -49,6 +51,8 @@ MAX_PREAUTH_FRAME = 8192
 ACCEPT_BACKOFF = 0.05
 MAX_ACCEPT_BACKOFF = 1.0
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: An answer counts only to one of the last this many probes sent to that agent.
+RECENT_PROBES = 16
 #: The events an agent may have the coordinator write for it.
 AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY})
 
@@ -64,6 +68,15 @@ class _Conn:
     node_rank: int | None = None
     last_recv: float = 0.0
     closing: bool = False
+    #: Set when the agent joins: its liveness on both paths, where its probes go, their key and counters.
+    alive: liveness.Liveness | None = None
+    probe_addr: tuple[str, int] | None = None
+    probe_key: bytes = b""
+    probes_out: int = 0
+    probe_answered: int = 0
+    probe_from_counter: int = 0
+    #: The ``sent`` time of the latest heartbeat received from the agent (echoed back: its lease).
+    heartbeat_sent: float | None = None
 
 
 def _rank(conn: _Conn) -> int:
@@ -121,6 +134,7 @@ class Coordinator:
         *,
         heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 2.0,
+        probe_timeout: float = 2.0,
     ) -> None:
         self.state = state
         self.run_dir = run_dir
@@ -130,6 +144,11 @@ class Coordinator:
         self._secret = secret
         self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
+        self._probe_timeout = probe_timeout
+        #: Liveness probes (``liveness.py``), on the listener's address.
+        self._probes = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._probes.bind((listener.getsockname()[0], 0))
+        self._probes.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}
         self._by_rank: dict[int, _Conn] = {}
@@ -154,6 +173,7 @@ class Coordinator:
             messages.StacksReport: self._on_stacks_report,
             messages.Progress: self._on_progress,
             messages.StepReport: self._on_step_report,
+            messages.Heartbeat: self._on_heartbeat,
         }
 
     @property
@@ -166,6 +186,7 @@ class Coordinator:
         self._listener.setblocking(False)
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._sel.register(self._probes, selectors.EVENT_READ, "probe")
         self._thread.start()
 
     def stop(self, drain_timeout: float = 5.0) -> None:
@@ -193,6 +214,8 @@ class Coordinator:
                         self._accept()
                     elif key.data == "wake":
                         os.read(self._wake_r, 64)
+                    elif key.data == "probe":
+                        self._on_probes()
                     else:
                         self._service(key.data, mask)
                 now = time.monotonic()
@@ -216,6 +239,7 @@ class Coordinator:
                     self._drop(conn, None)
             self._sel.close()
             self._listener.close()
+            self._probes.close()
 
     def _accept(self) -> None:
         while True:
@@ -269,6 +293,8 @@ class Coordinator:
             self._drop(conn, "connection closed (agent exited or node down)")
             return
         conn.last_recv = time.monotonic()
+        if conn.alive is not None:
+            conn.alive.stream_heard(conn.last_recv)
         try:
             for payload in conn.buf.feed(data):
                 if conn.session is None:
@@ -297,15 +323,23 @@ class Coordinator:
         conn.buf.max_frame = protocol.MAX_FRAME
         self._preauth.pop(conn.sock.fileno(), None)
         conn.node_rank = hello.node_rank
+        conn.alive = liveness.Liveness.starting(conn.last_recv, self._hb_timeout, self._probe_timeout)
+        if hello.probe_port:
+            conn.probe_addr = (conn.sock.getpeername()[0], hello.probe_port)
+        conn.probe_key = liveness.probe_key(session)
         self._by_rank[hello.node_rank] = conn
         actions = self.state.join(hello.node_rank, hello.host, hello.nproc)
-        self._send(conn, messages.Welcome(self.state.round, self.session))
+        self._send(conn, messages.Welcome(self.state.round, self.session, self._probes.getsockname()[1]))
         self._apply(actions)
 
     def _handle(self, conn: _Conn, msg: messages.Message | None) -> None:
         """One message from the joined agent on ``conn`` (None: a type this coordinator does not know)."""
         if msg is not None:
             messages.dispatch(self._handlers, msg, conn)
+
+    def _on_heartbeat(self, msg: messages.Heartbeat, conn: _Conn) -> None:
+        if msg.sent is not None:
+            conn.heartbeat_sent = msg.sent
 
     def _on_started(self, msg: messages.Started, conn: _Conn) -> None:
         self._apply(self.state.started_workers(_rank(conn), msg.round, msg.ts, msg.spawn, msg.spawn_reason))
@@ -374,23 +408,75 @@ class Coordinator:
         print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
 
     def _drop_silent(self, now: float) -> None:
-        """Drop connections stuck in the handshake and agents silent for longer than the heartbeat timeout."""
+        """Drop connections stuck in the handshake; probe suspected agents; drop the lost ones."""
         for conn in list(self._conns.values()):
-            if conn.session is None:
-                if now - conn.since > HANDSHAKE_TIMEOUT:
+            if conn.alive is None:
+                if conn.session is None and now - conn.since > HANDSHAKE_TIMEOUT:
                     self._drop(conn, None)
                 continue
-            if now - conn.last_recv > self._hb_timeout:
-                self._service(conn, selectors.EVENT_READ)  # frames that arrived while this loop was busy
-                if conn.closing or time.monotonic() - conn.last_recv <= self._hb_timeout:
-                    continue
-                why = f"no heartbeat for {now - conn.last_recv:.1f} s (node hung or unreachable)"
+            if not conn.alive.suspected(now):
+                continue
+            self._service(conn, selectors.EVENT_READ)  # frames that arrived while this loop was busy
+            now = time.monotonic()
+            if conn.closing or not conn.alive.suspected(now):
+                continue
+            if conn.alive.lost(now):
+                why = (
+                    f"no heartbeat for {now - conn.last_recv:.1f} s and no answer to probes for "
+                    f"{conn.alive.silent_for(now):.1f} s (node hung or unreachable)"
+                )
                 self._drop(conn, why, silent=True)
+            elif conn.alive.probe_due(now):
+                self._probe(conn)
+
+    def _probe(self, conn: _Conn) -> None:
+        if conn.probe_addr is None:
+            return
+        conn.probes_out += 1
+        probe = liveness.Probe(liveness.FROM_COORDINATOR, liveness.QUERY, _rank(conn), conn.probes_out)
+        with contextlib.suppress(OSError):
+            self._probes.sendto(liveness.encode(probe, conn.probe_key), conn.probe_addr)
+
+    def _on_probes(self, budget: int = 256) -> None:
+        """Datagrams on the probe socket: answers to our probes and the agents' probes (answered while the
+        agent is a member). Anything that does not verify with its node's key is ignored."""
+        for _ in range(budget):
+            try:
+                data, addr = self._probes.recvfrom(256)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            rank = liveness.node_rank_of(data)
+            conn = self._by_rank.get(rank) if rank is not None else None
+            if conn is None or conn.alive is None:
+                continue
+            try:
+                probe = liveness.decode(data, conn.probe_key)
+            except protocol.ProtocolError:
+                continue
+            if probe.sender != liveness.FROM_AGENT:
+                continue
+            now = time.monotonic()
+            if probe.kind == liveness.ANSWER:
+                # Only an answer to one of the last few probes, once: an old answer replayed proves nothing.
+                recent = conn.probes_out - RECENT_PROBES < probe.counter <= conn.probes_out
+                if recent and probe.counter > conn.probe_answered:
+                    conn.probe_answered = probe.counter
+                    conn.alive.heard(now)
+            elif probe.counter > conn.probe_from_counter:
+                conn.probe_from_counter = probe.counter
+                conn.alive.heard(now)
+                answer = dataclasses.replace(
+                    probe, sender=liveness.FROM_COORDINATOR, kind=liveness.ANSWER, flags=liveness.MEMBER
+                )
+                with contextlib.suppress(OSError):
+                    self._probes.sendto(liveness.encode(answer, conn.probe_key), addr)
 
     def _heartbeats(self) -> None:
         for conn in list(self._conns.values()):
             if conn.session is not None and not conn.closing:
-                self._send(conn, messages.Heartbeat())
+                self._send(conn, messages.Heartbeat(echo=conn.heartbeat_sent))
 
     def _send(self, conn: _Conn, msg: messages.Message) -> None:
         assert conn.session is not None

@@ -59,6 +59,10 @@ def _failures(value: Any) -> tuple[Failure, ...]:
     return tuple(value)
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _node_rank(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"node rank {value!r} is not an integer")
@@ -68,7 +72,16 @@ def _node_rank(value: Any) -> int:
 # ---- both directions -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Heartbeat(Message):
+    """Liveness. An agent's carries ``sent`` (its clock); the coordinator's ``echo``es the latest ``sent`` it
+    received from that agent, which renews the agent's lease (``liveness.py``)."""
+
     TAG = "hb"
+    sent: float | None = None
+    echo: float | None = None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Heartbeat:
+        return cls(_optional_float(d.get("sent")), _optional_float(d.get("echo")))
 
 
 # ---- agent -> coordinator ------------------------------------------------------------------------
@@ -81,6 +94,8 @@ class Hello(Message):
     host: str = ""
     nproc: int = 1
     pid: int | None = None
+    #: The agent's UDP port for liveness probes (0: none).
+    probe_port: int = 0
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Hello:
@@ -90,6 +105,7 @@ class Hello(Message):
             str(d.get("host", "")),
             int(d.get("nproc", 1)),
             None if pid is None else int(pid),
+            int(d.get("probe_port", 0)),
         )
 
 
@@ -295,10 +311,12 @@ class Welcome(Message):
     TAG = "welcome"
     round: int
     session: str = ""
+    #: The coordinator's UDP port for liveness probes (0: none).
+    probe_port: int = 0
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Welcome:
-        return cls(int(d.get("round", -1)), str(d.get("session", "")))
+        return cls(int(d.get("round", -1)), str(d.get("session", "")), int(d.get("probe_port", 0)))
 
 
 @dataclass(frozen=True)

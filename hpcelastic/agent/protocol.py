@@ -108,6 +108,10 @@ class Session:
         self._send_seq = 0
         self._recv_seq = 0
 
+    def derive(self, label: str) -> bytes:
+        """A key for another use of this connection (its liveness probes), derived from its session key."""
+        return hmac.new(self._key, f"hpcelastic/{label}".encode(), hashlib.sha256).digest()
+
     def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(self._key, direction + _SEQ.pack(seq) + body, hashlib.sha256).digest()
 

@@ -32,10 +32,14 @@ STALL_CHECK_INTERVAL = 0.5
 
 @dataclass(frozen=True)
 class Timing:
-    """Control-plane heartbeats and the GPU health check period (``HPCELASTIC_*`` variables)."""
+    """Control-plane heartbeats, failure detection (``liveness.py``) and the GPU health check period
+    (``HPCELASTIC_*`` variables)."""
 
     heartbeat_interval: float = 0.5
+    #: Silence on the control connection after which a peer is suspected and probed.
     heartbeat_timeout: float = 2.0
+    #: Probing with no answer for this long after that: the peer is lost.
+    probe_timeout: float = 2.0
     health_interval: float = 30.0
 
     @classmethod
@@ -49,6 +53,7 @@ class Timing:
         return cls(
             number("HPCELASTIC_HEARTBEAT_INTERVAL", cls.heartbeat_interval),
             number("HPCELASTIC_HEARTBEAT_TIMEOUT", cls.heartbeat_timeout),
+            number("HPCELASTIC_PROBE_TIMEOUT", cls.probe_timeout),
             number("HPCELASTIC_HEALTH_INTERVAL", cls.health_interval),
         )
 

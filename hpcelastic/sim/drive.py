@@ -22,7 +22,7 @@ from typing import Any
 from hpcelastic.sim import adapter, model
 from hpcelastic.sim.adapter import Action, EndFacts, JobState, Reason, messages
 from hpcelastic.sim.invariants import Checker, Violation
-from hpcelastic.sim.model import GPUS_PER_NODE, HEARTBEAT_TIMEOUT_S, Fault, Script, Week
+from hpcelastic.sim.model import DETECTION_S, GPUS_PER_NODE, Fault, Script, Week
 
 #: Weeks per task when weeks run in several processes.
 CHUNK = 250
@@ -561,7 +561,7 @@ class Sim:
         if self._is_dead(self.hosts[n], self.t):
             return
         self.evidence.setdefault(self.hosts[n], []).append("network blip")
-        if self.rng.uniform(2.0, 6.0) > HEARTBEAT_TIMEOUT_S:
+        if self.rng.uniform(2.0, 6.0) > DETECTION_S:
             self._node_gone(n, self.t, dead=False)
 
     def _fault(self) -> None:
@@ -581,7 +581,7 @@ class Sim:
             return
         if kind is Fault.NETWORK:
             drop = model.network_drop_s(self.rng)
-            if drop > HEARTBEAT_TIMEOUT_S:
+            if drop > DETECTION_S:
                 self._node_gone(n, self.t, dead=False)
             return
         if (
@@ -645,17 +645,17 @@ class Sim:
             self._call("left", n, "node unhealthy: GPU 0", unhealthy=True)
 
     def _node_gone(self, n: int, t: float, *, dead: bool) -> None:
-        """Node ``n`` died or its network dropped: silent to the others after the heartbeat timeout; its
-        agent, cut off as long, then kills its workers."""
+        """Node ``n`` died or its network dropped: lost to the others after the detection bound; its agent,
+        cut off as long, ends its lease by then and kills its workers."""
         if n in self.round_nodes:
             self._kill_training()
-        self._dead_at(n, t if dead else t + HEARTBEAT_TIMEOUT_S + self.rng.uniform(0.2, KILL_S))
-        self.at(t + HEARTBEAT_TIMEOUT_S, self._silent, n, dead)
+        self._dead_at(n, t if dead else t + DETECTION_S + self.rng.uniform(0.2, KILL_S))
+        self.at(t + DETECTION_S, self._silent, n, dead)
 
     def _silent(self, n: int, dead: bool) -> None:
         if self.ended or self.st is None:
             return
-        reason = f"no heartbeat for more than {HEARTBEAT_TIMEOUT_S:g} s"
+        reason = f"no heartbeat or probe answer for more than {DETECTION_S:g} s"
         if n != 0:
             self._lost_silent(n, reason)
             return

@@ -13,6 +13,8 @@ import enum
 import random
 from dataclasses import dataclass
 
+from hpcelastic.agent.runtime import Timing
+
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
 GPUS_PER_NODE = 8
@@ -26,8 +28,9 @@ NODE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 NODE_WEIGHTS = (46, 25, 13, 8, 5, 1.8, 0.7, 0.3, 0.12)
 #: Slurm's SlurmdTimeout: a dead node is marked DOWN this long after it stopped answering.
 SLURMD_TIMEOUT_S = 300.0
-#: The agents' heartbeat timeout (``agent/runtime.py``): a silent peer counts as lost after it.
-HEARTBEAT_TIMEOUT_S = 2.0
+#: Silence on the control connection and on its probes after which a peer counts as lost (the defaults of
+#: ``agent/runtime.Timing``, ``agent/liveness.py``; code without probes: after the heartbeat timeout).
+DETECTION_S = Timing.heartbeat_timeout + getattr(Timing, "probe_timeout", 0.0)
 
 
 #: Short network drops (a link flap, a switch reboot: 2-6 s) per node-day. Not an interruption in

@@ -1,0 +1,218 @@
+"""Failure detection with a second path (``agent/liveness.py``): pure rules, probe datagrams, and a real
+coordinator with real clients whose TCP connections go through a proxy that can hold their bytes (what a
+lossy link does to TCP: retransmissions back off and the stream stalls for seconds) while UDP still flows."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.agent import liveness, messages, protocol
+from hpcelastic.agent.client import CoordinatorClient
+from hpcelastic.agent.coordinator import Coordinator
+from hpcelastic.agent.job_state import JobState
+from hpcelastic.events import EventName
+from hpcelastic.rundir import RunDir
+
+SECRET = "s" * 64
+HOSTS = ("n0", "n1")
+HB_INTERVAL, HB_TIMEOUT, PROBE_TIMEOUT = 0.2, 1.0, 1.0
+
+
+# ---- pure ----------------------------------------------------------------------------------------
+def test_silence_is_suspected_then_lost_only_past_both_timeouts() -> None:
+    alive = liveness.Liveness.starting(0.0, timeout=2.0, probe_timeout=2.0)
+    assert not alive.suspected(1.9) and not alive.probe_due(1.9)
+    assert alive.suspected(2.1) and alive.probe_due(2.1)
+    assert not alive.probe_due(2.2), "probes are PROBE_INTERVAL apart"
+    assert alive.probe_due(2.1 + liveness.PROBE_INTERVAL)
+    assert not alive.lost(3.9) and alive.lost(4.1)
+
+
+def test_a_probe_answer_keeps_a_silent_stream_alive_up_to_its_cap() -> None:
+    alive = liveness.Liveness.starting(0.0, timeout=2.0, probe_timeout=2.0)
+    for t in range(3, 30):
+        alive.heard(float(t))  # an answered probe every second, no frame
+        assert not alive.lost(t + 0.5)
+    alive.heard(31.0)
+    assert alive.lost(31.0), "a stream silent past MAX_STREAM_SILENCE is lost whatever the probes say"
+
+
+def test_probes_are_authenticated_and_bound_to_their_connection() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    probe = liveness.Probe(liveness.FROM_AGENT, liveness.QUERY, 7, 3)
+    data = liveness.encode(probe, key)
+    assert len(data) == liveness.PROBE_SIZE and liveness.node_rank_of(data) == 7
+    assert liveness.decode(data, key) == probe
+    with pytest.raises(protocol.AuthError):
+        liveness.decode(data, other)
+    tampered = data[:-40] + bytes([data[-40] ^ 1]) + data[-39:]
+    with pytest.raises(protocol.AuthError):
+        liveness.decode(tampered, key)
+    assert liveness.node_rank_of(b"GET / HTTP/1.1\r\n") is None
+
+
+def test_fence_outlasts_the_agents_reaction_and_kill() -> None:
+    assert liveness.fence_delay(3.0) > liveness.PROBE_INTERVAL + 3.0
+
+
+# ---- a real coordinator, real clients, a TCP path that stalls ----------------------------------
+class StallingProxy:
+    """Forwards one TCP connection per accepted client; ``hold_up``/``hold_down`` keep the bytes of a
+    direction (agent -> coordinator, coordinator -> agent) until released, as a stalled TCP stream does."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.hold_up = threading.Event()
+        self.hold_down = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ, None)
+        pending: dict[socket.socket, bytearray] = {}
+        peer: dict[socket.socket, tuple[socket.socket, threading.Event]] = {}
+        while not self._stop.is_set():
+            for key, _ in sel.select(timeout=0.05):
+                if key.data is None:
+                    agent, _addr = self.listener.accept()
+                    upstream = socket.create_connection(self.target)
+                    peer[agent] = (upstream, self.hold_up)
+                    peer[upstream] = (agent, self.hold_down)
+                    for s in (agent, upstream):
+                        pending[s] = bytearray()
+                        sel.register(s, selectors.EVENT_READ, s)
+                    continue
+                src: socket.socket = key.data
+                try:
+                    data = src.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._stop.set()
+                    break
+                pending[src] += data
+            for src, buf in pending.items():
+                dst, hold = peer[src]
+                if buf and not hold.is_set():
+                    with contextlib.suppress(OSError):
+                        dst.sendall(buf)
+                    buf.clear()
+        for s in peer:
+            s.close()
+        self.listener.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class Plane:
+    """A coordinator; agent 0 connects directly, agent 1 through a :class:`StallingProxy`."""
+
+    def __init__(self, rd: RunDir) -> None:
+        state = JobState(
+            hosts=HOSTS,
+            min_nodes=1,
+            max_restarts=5,
+            master_addr="127.0.0.1",
+            new_port=lambda: 29500,
+            rdzv_timeout=20,
+        )
+        self.coordinator = Coordinator(
+            socket.create_server(("127.0.0.1", 0)),
+            SECRET,
+            state,
+            rd,
+            heartbeat_interval=HB_INTERVAL,
+            heartbeat_timeout=HB_TIMEOUT,
+            probe_timeout=PROBE_TIMEOUT,
+        )
+        self.coordinator.start()
+        self.proxy = StallingProxy(("127.0.0.1", self.coordinator.port))
+        self.inboxes: list[queue.SimpleQueue[messages.Message]] = []
+        self.clients: list[CoordinatorClient] = []
+        for rank, host in enumerate(HOSTS):
+            inbox: queue.SimpleQueue[messages.Message] = queue.SimpleQueue()
+            client = CoordinatorClient(
+                "127.0.0.1",
+                self.coordinator.port if rank == 0 else self.proxy.port,
+                SECRET,
+                on_message=inbox.put,
+                heartbeat_interval=HB_INTERVAL,
+                heartbeat_timeout=HB_TIMEOUT,
+                probe_timeout=PROBE_TIMEOUT,
+            )
+            client.connect(messages.Hello(node_rank=rank, host=host, nproc=1), timeout=10)
+            client.start()
+            self.inboxes.append(inbox)
+            self.clients.append(client)
+        for rank in range(len(HOSTS)):
+            self.expect(rank, messages.Round)
+
+    def expect(self, rank: int, kind: type[messages.Message], timeout: float = 15) -> messages.Message:
+        msg = self.inboxes[rank].get(timeout=timeout)
+        assert isinstance(msg, kind), f"agent {rank} got {msg!r}, expected a {kind.__name__}"
+        return msg
+
+    def lost_events(self) -> list[dict[str, object]]:
+        self.coordinator.events.flush(timeout=5)
+        return [e for e in self.coordinator.run_dir.events() if e["event"] == EventName.NODE_LOST.value]
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.proxy.close()
+        self.coordinator.stop(drain_timeout=2)
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[Plane]:
+    p = Plane(RunDir(tmp_path))
+    yield p
+    p.close()
+
+
+def test_a_stream_stalled_past_the_timeouts_is_no_loss_while_probes_are_answered(plane: Plane) -> None:
+    bound = liveness.detection_bound(HB_TIMEOUT, PROBE_TIMEOUT)
+    plane.proxy.hold_up.set()
+    plane.proxy.hold_down.set()
+    time.sleep(2 * bound)
+    plane.proxy.hold_up.clear()
+    plane.proxy.hold_down.clear()
+    time.sleep(3 * HB_INTERVAL)
+    assert plane.lost_events() == []
+    assert plane.inboxes[1].empty(), "the agent kept its lease: no Lost"
+    assert plane.clients[1].send(messages.Heartbeat(sent=time.monotonic()))
+
+
+def test_a_silent_agent_without_probe_answers_is_lost_and_fences_itself_first(plane: Plane) -> None:
+    """Only the coordinator -> agent direction works: the agent still hears heartbeats but none of its own
+    is echoed, so its lease runs out, no later than the coordinator declares it lost."""
+    discard = ("127.0.0.1", 9)  # its UDP path is gone too: probes both ways go where nobody answers
+    plane.clients[1]._probe_addr = discard
+    plane.coordinator._by_rank[1].probe_addr = discard
+    plane.proxy.hold_up.set()
+    plane.expect(1, messages.Lost, timeout=20)  # the lease ran out, or the coordinator's close came first
+    agent_fenced = time.time()
+    deadline = time.monotonic() + 10
+    while not plane.lost_events() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (event,) = plane.lost_events()
+    assert event["node_rank"] == 1 and "no answer to probes" in str(event["reason"])
+    assert plane.inboxes[0].empty() or not isinstance(plane.inboxes[0].get_nowait(), messages.Lost)
+    # The fence's premise: the agent's lease ends no later than the coordinator declares it lost (one
+    # check interval of either side aside).
+    assert agent_fenced <= float(event["ts"]) + 2 * liveness.PROBE_INTERVAL
