@@ -281,6 +281,7 @@ def end_of_attempt(
     *,
     decides: bool,
     bad_nodes: tuple[str, ...] = (),
+    unreachable: tuple[str, ...] = (),
     progressed: bool = False,
 ) -> int:
     """This agent's exit code for an attempt that ended with ``reason``.
@@ -296,6 +297,7 @@ def end_of_attempt(
         reason,
         job_id=slurm.job_id(environ),
         bad_nodes=bad_nodes,
+        unreachable=unreachable,
         progressed=progressed,
         requeue_mode=spec.requeue_mode,
         max_requeues=spec.max_requeues,

@@ -171,6 +171,8 @@ class JobState:
         self.bad_nodes: list[str] = []
         #: (host, time) of agents that vanished (connection closed or silent): suspects, see :meth:`suspects`.
         self.vanished: list[tuple[str, float]] = []
+        #: Hosts whose agents went silent (their connection never closed): maybe only a cut link.
+        self.silent_hosts: set[str] = set()
         #: The previous round's root-cause signature, if it failed before any progress (a start-up failure).
         self.startup_failure: str | None = None
         #: Some rank of this attempt reached a step (in any round).
@@ -262,6 +264,7 @@ class JobState:
             return []
         if silent:
             self.fence_until = max(self.fence_until, self._now() + self.fence_s)
+            self.silent_hosts.add(member.host)
         actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
@@ -764,7 +767,8 @@ class JobState:
         # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
         # failed a health check, unless most others vanished with it (see ``suspects``).
         bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.suspects()]))
-        self.result = messages.Finish(reason, message, bad_nodes)
+        unreachable = tuple(h for h in bad_nodes if h in self.silent_hosts and h not in self.bad_nodes)
+        self.result = messages.Finish(reason, message, bad_nodes, unreachable)
         return [*last, *(Send(n, self.result) for n in sorted(self.members))]
 
 

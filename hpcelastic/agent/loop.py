@@ -177,7 +177,7 @@ class NodeLoop:
         self.state = State.DONE
         if msg.message:
             self.rt.say(msg.message)
-        self.exit_code = self._end(msg.reason, msg.bad_nodes)
+        self.exit_code = self._end(msg.reason, msg.bad_nodes, msg.unreachable)
 
     def _on_lost(self, msg: messages.Lost) -> None:
         self.rt.group.stop(RESTART_KILL_GRACE)
@@ -429,12 +429,12 @@ class NodeLoop:
             self.exit_code = Reason.NODE_UNHEALTHY.exit_code
             return
         # This node hosts the coordinator: wait until it has told the others how the attempt ends.
-        rt.coordinator.finished.wait(timeout=rt.timing.heartbeat_timeout + 2 * rt.spec.grace_period)
+        rt.coordinator.finished.wait(timeout=rt.timing.detection_s + 2 * rt.spec.grace_period)
         result = rt.coordinator.state.result
         self.exit_code = self._end(result.reason if result else Reason.NODE_UNHEALTHY, (rt.ctx.host,))
 
     # ---- the end ----------------------------------------------------------------------------
-    def _end(self, reason: Reason, bad_nodes: tuple[str, ...] = ()) -> int:
+    def _end(self, reason: Reason, bad_nodes: tuple[str, ...] = (), unreachable: tuple[str, ...] = ()) -> int:
         """The exit code for an attempt that ended with ``reason`` (group rank 0 decides how it ends)."""
         rt = self.rt
         if rt.coordinator is not None:  # the end-of-attempt path reads the events the coordinator wrote
@@ -450,6 +450,7 @@ class NodeLoop:
             decides=rt.coordinator is not None
             or (reason is Reason.COORDINATOR_LOST and slurm_env.job_id(rt.environ) is None),
             bad_nodes=bad_nodes,
+            unreachable=unreachable,
             progressed=rt.group.progressed,
         )
 

@@ -407,6 +407,8 @@ class Finish(Message):
     reason: Reason
     message: str = ""
     bad_nodes: tuple[str, ...] = ()
+    #: Of ``bad_nodes``, those only lost by silence: held against a node only while it stays unreachable.
+    unreachable: tuple[str, ...] = ()
 
     @property
     def exit_code(self) -> int:
@@ -417,7 +419,12 @@ class Finish(Message):
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Finish:
-        return cls(Reason(d["reason"]), str(d.get("message") or ""), tuple(map(str, d.get("bad_nodes", []))))
+        return cls(
+            Reason(d["reason"]),
+            str(d.get("message") or ""),
+            tuple(map(str, d.get("bad_nodes", []))),
+            tuple(map(str, d.get("unreachable", []))),
+        )
 
 
 @dataclass(frozen=True)

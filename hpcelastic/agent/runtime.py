@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcelastic.agent import liveness
 from hpcelastic.agent.client import CoordinatorClient
 from hpcelastic.agent.coordinator import Coordinator
 from hpcelastic.agent.health import GpuHealth
@@ -41,6 +42,11 @@ class Timing:
     #: Probing with no answer for this long after that: the peer is lost.
     probe_timeout: float = 2.0
     health_interval: float = 30.0
+
+    @property
+    def detection_s(self) -> float:
+        """Silence on both paths after which a peer is lost (``liveness.detection_bound``)."""
+        return liveness.detection_bound(self.heartbeat_timeout, self.probe_timeout)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> Timing:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hpcelastic import events, handoff
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.lifecycle.classify import Stop, slurm_stop
-from hpcelastic.lifecycle.evidence import new_checkpoint, partition_capacity
+from hpcelastic.lifecycle.evidence import new_checkpoint, partition_capacity, still_bad
 from hpcelastic.lifecycle.executor import Executor
 from hpcelastic.lifecycle.history import attempt_root_cause, root_cause_signature
 from hpcelastic.lifecycle.policy import AttemptEnd, Settings
@@ -31,6 +31,7 @@ def end_attempt(
     *,
     job_id: str | None,
     bad_nodes: Sequence[str] = (),
+    unreachable: Sequence[str] = (),
     progressed: bool = False,
     exit_code: int | None = None,
     requeue_mode: str,
@@ -44,7 +45,9 @@ def end_attempt(
     failure; any other failure becomes the stop Slurm is making, if it is ending the job. A job
     Slurm is cancelling (plain ``scancel``) marks the run cancelled: it is never brought back.
     The attempt's root cause is read from the event log, a checkpoint the attempt wrote from the
-    checkpoint directory, the nodes the job could be placed on from Slurm.
+    checkpoint directory, the nodes the job could be placed on from Slurm. Of ``bad_nodes``, those in
+    ``unreachable`` (lost by silence only) stay bad only while their slurmd does not answer: a link that
+    came back is no bad node.
     ``exit_code`` defaults to ``reason.exit_code``.
     """
     settings = Settings.parse(requeue_mode, max_requeues)
@@ -58,7 +61,7 @@ def end_attempt(
         reason=reason,
         exit_code=reason.exit_code if exit_code is None else exit_code,
         job_id=job_id,
-        bad_nodes=tuple(bad_nodes),
+        bad_nodes=still_bad(bad_nodes, unreachable) if job_id else tuple(bad_nodes),
         progressed=progressed,
         signature=root_cause_signature(attempt_root_cause(log)),
         slurm_requeued=slurm_requeued,

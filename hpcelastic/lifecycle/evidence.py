@@ -3,6 +3,7 @@
 - :func:`new_checkpoint`: a complete checkpoint the attempt wrote into the checkpoint directory, published
   or not (an unchanged script saves on its own, with ``torch.save`` or ``torch.distributed.checkpoint``).
 - :func:`partition_capacity`: which nodes of its partition a requeued job could run on, and how many it needs.
+- :func:`still_bad`: the bad nodes, less those lost by silence whose slurmd answers again (a cut link healed).
 
 Each answers None when it cannot tell; the policy then decides without it.
 """
@@ -10,6 +11,7 @@ Each answers None when it cannot tell; the policy then decides without it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from hpcelastic.errors import SlurmError
@@ -102,3 +104,19 @@ def partition_capacity(job_id: str) -> Capacity | None:
         return None
     usable = {n for n, state in states.items() if not state.rstrip("*~#!%$@^-").startswith(("drain", "drng"))}
     return Capacity(frozenset(usable), needed) if usable else None
+
+
+def still_bad(bad_nodes: Sequence[str], unreachable: Sequence[str]) -> tuple[str, ...]:
+    """``bad_nodes`` less the ``unreachable`` ones (lost by silence only) whose slurmd answers now from this
+    node: the link that cut them off came back, so nothing is known against the node itself."""
+    silent = set(unreachable)
+    out = []
+    for node in bad_nodes:
+        if node in silent:
+            try:
+                if slurm.slurmd_answers(node):
+                    continue
+            except SlurmError:
+                pass
+        out.append(node)
+    return tuple(out)

@@ -334,7 +334,7 @@ class Executor:
         while dead and time.monotonic() < deadline:
             time.sleep(2.0)
             try:
-                dead = [n for n in dead if not slurm.node_is_down(n)]
+                dead = [n for n in dead if not slurm.node_is_down(n) and not slurm.slurmd_answers(n)]
             except SlurmError:
                 return
 

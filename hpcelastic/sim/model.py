@@ -29,8 +29,8 @@ NODE_WEIGHTS = (46, 25, 13, 8, 5, 1.8, 0.7, 0.3, 0.12)
 #: Slurm's SlurmdTimeout: a dead node is marked DOWN this long after it stopped answering.
 SLURMD_TIMEOUT_S = 300.0
 #: Silence on the control connection and on its probes after which a peer counts as lost (the defaults of
-#: ``agent/runtime.Timing``, ``agent/liveness.py``; code without probes: after the heartbeat timeout).
-DETECTION_S = Timing.heartbeat_timeout + getattr(Timing, "probe_timeout", 0.0)
+#: ``agent/runtime.Timing``; code without probes: after the heartbeat timeout).
+DETECTION_S = Timing().detection_s if hasattr(Timing, "detection_s") else Timing.heartbeat_timeout
 
 
 #: Short network drops (a link flap, a switch reboot: 2-6 s) per node-day. Not an interruption in

@@ -317,3 +317,26 @@ def test_no_round_starts_while_a_silent_nodes_workers_may_still_run() -> None:
     state.lost(1, "connection reset")
     state.workers_stopped(0, 1, [])
     assert state.round == 2 or state.result is not None
+
+
+def test_a_node_lost_by_silence_is_marked_unreachable_for_the_decider() -> None:
+    """Issue 19: a cut link is no evidence against the node once it is back: the decider checks that
+    (``evidence.still_bad``) for the nodes the coordinator lost by silence only."""
+    state = JobState(
+        hosts=["n0", "n1", "n2"],
+        min_nodes=3,
+        max_restarts=3,
+        master_addr="10.0.0.1",
+        new_port=lambda: 29500,
+        rdzv_timeout=60,
+        fence_s=0.0,
+    )
+    for i in range(3):
+        state.join(i, f"n{i}", 2)
+    state.lost(2, "no heartbeat and no answer to probes", silent=True)
+    state.workers_stopped(0, 0, [])
+    state.workers_stopped(1, 0, [])
+    assert state.result is not None and state.result.reason is Reason.TOO_FEW_NODES
+    assert state.result.bad_nodes == ("n2",) and state.result.unreachable == ("n2",)
+    wire = messages.decode(messages.FROM_COORDINATOR, messages.encode(state.result))
+    assert wire == state.result
