@@ -14,12 +14,12 @@ file descriptors passed alongside (``SCM_RIGHTS``).
 The worker (a fork of the server) becomes what ``python -u SCRIPT ARGS`` would have been: its own
 session, ``PR_SET_PDEATHSIG`` (the server dies with the agent), its share of the CPUs, fresh signal
 dispositions, the environment replaced wholesale, cwd, argv, ``sys.path[0]``, stdio on the log pipe,
-reseeded random generators, and ``SCRIPT`` run as ``__main__`` by ``runpy.run_path``. It ends with the codes,
-tracebacks and shutdown a cold start shows (threads joined, atexit handlers run, open files flushed),
-then ``os._exit`` instead of tearing torch's modules down object by object (seconds). Differences: the
-hash seed is the server's; variables read while importing the preloads come from the server's
-environment (the job's, without the per-rank variables); ``__del__`` of objects still alive at exit
-does not run (as in multiprocessing's workers).
+reseeded random generators, torch's thread count from the worker's ``OMP_NUM_THREADS``, and ``SCRIPT``
+run as ``__main__`` by ``runpy.run_path``. It ends with the codes, tracebacks and shutdown a cold start
+shows (threads joined, atexit handlers run, open files flushed), then ``os._exit`` instead of tearing
+torch's modules down object by object (seconds). Differences: the hash seed is the server's; variables
+read while importing the preloads come from the server's environment (the job's, without the per-rank
+variables); ``__del__`` of objects still alive at exit does not run (as in multiprocessing's workers).
 """
 
 from __future__ import annotations
@@ -178,6 +178,7 @@ def _become_worker(req: dict[str, Any], server_pid: int) -> None:
     sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
     _fresh_stdio(bool(req.get("unbuffered")) or bool(os.environ.get("PYTHONUNBUFFERED")))
     _reseed()
+    _torch_threads()
 
 
 def _coerced_locale(env: dict[str, str]) -> dict[str, str]:
@@ -210,6 +211,15 @@ def _fresh_stdio(unbuffered: bool) -> None:
     sys.stdin = sys.__stdin__ = stream(0, "r", "strict", False)
     sys.stdout = sys.__stdout__ = stream(1, "w", "strict", False)
     sys.stderr = sys.__stderr__ = stream(2, "w", "backslashreplace", True)
+
+
+def _torch_threads() -> None:
+    """torch sized its thread pool from the server's ``OMP_NUM_THREADS`` when imported: the worker's own
+    value (its share of the CPUs, hpcelastic/agent/cpus.py) is applied, as a cold start's import would."""
+    torch, value = sys.modules.get("torch"), os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and value.isdigit() and int(value) > 0:
+        with contextlib.suppress(Exception):
+            torch.set_num_threads(int(value))
 
 
 def _reseed() -> None:

@@ -85,26 +85,29 @@ with open(os.path.join(sys.argv[1], "rank-" + os.environ["LOCAL_RANK"]), "w") as
 """
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
-def test_each_worker_runs_on_its_share(tmp_path: Path, warm: bool) -> None:
+def run_workers(
+    tmp_path: Path, report: str, nproc: int, preload: tuple[str, ...] | None
+) -> tuple[WorkerGroup, list[dict]]:
+    """Run ``report`` (a script given the output directory) as a node's ``nproc`` workers, warm from a
+    real fork server that preloads ``preload``, or cold when it is None; the group and each rank's report."""
     out = tmp_path / "out"
     out.mkdir()
     script = tmp_path / "report.py"
-    script.write_text(REPORT)
-    cfg = dataclasses.replace(config(tmp_path), argv=(sys.executable, "-u", str(script), str(out)))
+    script.write_text(report)
+    argv = (sys.executable, "-u", str(script), str(out))
+    cfg = dataclasses.replace(config(tmp_path), argv=argv, nproc=nproc)
     server = None
-    if warm:
-        server = ForkServer(
-            sys.executable, str(script), base_env(cfg.environ, 2), preload=("json",), preexec_fn=_child_setup
-        )
+    if preload is not None:
+        environ = base_env(cfg.environ, nproc)
+        server = ForkServer(sys.executable, str(script), environ, preload=preload, preexec_fn=_child_setup)
     watchdog, devnull = Watchdog(), os.open(os.devnull, os.O_WRONLY)
     try:
         with selectors.DefaultSelector() as sel:
             group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull, forkserver=server)
             group.start(ROUND)
-            assert group.spawn == ("warm" if warm else "cold"), group.spawn_reason
+            assert group.spawn == ("cold" if server is None else "warm"), group.spawn_reason
             deadline = time.monotonic() + 30
-            while len(list(out.glob("rank-*"))) < 2:
+            while len(list(out.glob("rank-*"))) < nproc:
                 assert time.monotonic() < deadline, "the workers did not report"
                 time.sleep(0.05)
             group.stop(1.0)
@@ -113,10 +116,39 @@ def test_each_worker_runs_on_its_share(tmp_path: Path, warm: bool) -> None:
             server.close()
         watchdog.close()
         os.close(devnull)
-    reports = [json.loads((out / f"rank-{i}").read_text()) for i in range(2)]
+    return group, [json.loads((out / f"rank-{i}").read_text()) for i in range(nproc)]
+
+
+@pytest.mark.parametrize("preload", [None, ("json",)], ids=["cold", "warm"])
+def test_each_worker_runs_on_its_share(tmp_path: Path, preload: tuple[str, ...] | None) -> None:
+    group, reports = run_workers(tmp_path, REPORT, 2, preload)
     agent = sorted(os.sched_getaffinity(0))
     assert [tuple(r["cpus"]) for r in reports] == [tuple(sorted(s)) for s in group.cpu_shares or []]
     assert sorted({c for r in reports for c in r["cpus"]}) == agent
     if len(agent) >= 2:
         assert not set(reports[0]["cpus"]) & set(reports[1]["cpus"])
     assert [r["omp"] for r in reports] == [str(len(r["cpus"])) for r in reports]
+
+
+# Stands in for torch in the fork server's preloads (found first: the server's sys.path[0] is the script's
+# directory): records the thread count a worker sets, as torch.set_num_threads would.
+FAKE_TORCH = """
+threads = None
+def set_num_threads(n):
+    global threads
+    threads = n
+"""
+TORCH_REPORT = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], "rank-" + os.environ["LOCAL_RANK"]), "w") as f:
+    json.dump({"omp": os.environ["OMP_NUM_THREADS"], "torch": sys.modules["torch"].threads}, f)
+"""
+
+
+def test_a_warm_workers_torch_uses_its_share_not_the_servers_thread_count(tmp_path: Path) -> None:
+    """torch read the fork server's OMP_NUM_THREADS when imported; a warm worker's own (its CPU share's
+    size) is applied to it, as a cold worker's import would read it."""
+    (tmp_path / "torch.py").write_text(FAKE_TORCH)
+    _group, (report,) = run_workers(tmp_path, TORCH_REPORT, 1, ("torch",))
+    share = len(os.sched_getaffinity(0))
+    assert report == {"omp": str(share), "torch": share}
