@@ -23,9 +23,10 @@
 #   scripts/testbed.sh cut-link NODE [SECONDS]   every packet between NODE and anything else dropped,
 #                                        both ways; for SECONDS (omitted or 0: until heal)
 #   scripts/testbed.sh netem NODE ARGS...        `tc qdisc ... netem ARGS` on the node's link, both
-#                                        directions (`loss 5%`, `delay 50ms 20ms`...). On a kernel without
-#                                        sch_netem (this CI machine) only `loss P%` works (nftables);
-#                                        anything else: an error, exit 2.  `netem NODE off` removes it.
+#                                        directions (`loss 5%`, `delay 50ms 20ms`...); `netem NODE off`
+#                                        removes it. On a kernel without sch_netem (this CI machine) only
+#                                        `loss P%` (nftables) and `delay TIME [JITTER]` (uniform; iptables
+#                                        NFQUEUE and a python3 process) are emulated; else exit 2.
 #   scripts/testbed.sh partition NODE PEER...    NODE and each PEER (a node, or `slurmctld`) exchange
 #                                        no packets, both ways; everything else still works
 #   scripts/testbed.sh flap NODE DOWN_S UP_S COUNT   link cut for DOWN_S, up for UP_S, COUNT times
@@ -141,15 +142,15 @@ need_root() {
 
 install_packages() {
   need_root
-  # nft (the network faults) is needed by netns instances only.
+  # nft and iptables-legacy (the network faults) are needed by netns instances only.
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
-     && command -v sbatch >/dev/null && { { [ "$NETNS" != 1 ] && [ "${TESTBED_NETNS:-0}" != 1 ]; } || command -v nft >/dev/null; }; then
+     && command -v sbatch >/dev/null && { { [ "$NETNS" != 1 ] && [ "${TESTBED_NETNS:-0}" != 1 ]; } || { command -v nft && command -v iptables-legacy; } >/dev/null; }; then
     return 0
   fi
-  log "installing slurm-wlm, munge and nftables from Debian"
+  log "installing slurm-wlm, munge, nftables and iptables from Debian"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurm-wlm munge nftables >/dev/null
+  apt-get install -y -qq --no-install-recommends slurm-wlm munge nftables iptables >/dev/null
 }
 
 node_names() {
@@ -387,8 +388,7 @@ node_job_pids() { # NODE
   if [ "$NETNS" = 1 ] && [ -e "/run/netns/$(netns_of "$node")" ]; then
     # Every process in the node's network namespace is the node's.
     for p in $(ip netns pids "$(netns_of "$node")" 2>/dev/null || true); do seed[$p]=1; done
-    p=$(slurmd_pid "$node")
-    if [ -n "$p" ]; then unset "seed[$p]"; fi
+    for p in $(slurmd_pid "$node") $(delay_pid "$node"); do unset "seed[$p]"; done
   fi
   unset "seed[$self]"
   [ "${#seed[@]}" -gt 0 ] || return 0
@@ -636,14 +636,106 @@ partition() { # NODE PEER...
   echo "partition $node: no packets between it and $*"
 }
 
+# netem's delay where the kernel has no sch_netem (this CI machine): iptables NFQUEUE in the node's
+# namespace hands each packet of eth0, both ways, to this process there, which lets it go DELAY +-
+# JITTER later. It is the fabric's, not the node's: kill-node and pids leave it out.
+IFS= read -r -d '' DELAY_QUEUE_PY <<'PY' || true
+import heapq, random, select, socket, struct, sys, time
+
+# argv: MARKER DELAY_S JITTER_S. Packets that iptables NFQUEUE puts in queue 0 of this network
+# namespace are accepted DELAY_S +- uniform(JITTER_S) later. Raw nfnetlink_queue, stdlib only.
+delay, jitter = float(sys.argv[2]), float(sys.argv[3])
+NFQ = 3 << 8  # NFNL_SUBSYS_QUEUE
+PACKET, VERDICT, CONFIG = NFQ | 0, NFQ | 1, NFQ | 2
+sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)  # NETLINK_NETFILTER
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+sock.bind((0, 0))
+
+
+def attr(kind, payload):
+    return struct.pack("=HH", 4 + len(payload), kind) + payload + b"\0" * (-len(payload) % 4)
+
+
+def send(kind, attrs, flags=1):
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(0)) + b"".join(attrs)
+    sock.send(struct.pack("=IHHII", 16 + len(body), kind, flags, 0, 0) + body)
+
+
+send(CONFIG, [attr(1, struct.pack("!BBH", 1, 0, socket.AF_INET))])  # NFQNL_CFG_CMD_BIND
+send(CONFIG, [attr(2, struct.pack("!IB", 0, 1))])  # NFQNL_COPY_META
+send(CONFIG, [attr(3, struct.pack("!I", 65536))])  # queue length
+held = []
+while True:
+    wait = max(0.0, held[0][0] - time.monotonic()) if held else None
+    if select.select([sock], [], [], wait)[0]:
+        data = sock.recv(1 << 16)
+        while len(data) >= 16:
+            size, kind = struct.unpack_from("=IH", data)
+            if kind == PACKET:
+                at = 20
+                while at < size:
+                    alen, akind = struct.unpack_from("=HH", data, at)
+                    if akind & 0x7FFF == 1:  # NFQA_PACKET_HDR
+                        pid = struct.unpack_from("!I", data, at + 4)[0]
+                        due = time.monotonic() + max(0.0, delay + random.uniform(-jitter, jitter))
+                        heapq.heappush(held, (due, pid))
+                    at += (alen + 3) & ~3
+            data = data[(size + 3) & ~3 :]
+    now = time.monotonic()
+    while held and held[0][0] <= now:
+        _, pid = heapq.heappop(held)
+        send(VERDICT, [attr(2, struct.pack("!II", 1, pid))])  # NF_ACCEPT
+PY
+DELAY_MARKER=hpce-delay-queue
+
+delay_pidfile() { echo "$FAULTS/$1.delay"; }
+
+delay_pid() { # NODE: its delay process, if running
+  local p
+  p=$(pid_from "$(delay_pidfile "$1")")
+  if [ -n "$p" ] && [[ "$(cmdline "$p")" == *" $DELAY_MARKER "* ]]; then echo "$p"; fi
+}
+
+delay_start() { # NODE DELAY_S JITTER_S
+  local node=$1 py
+  py=$(command -v python3) || { log "netem delay needs python3"; exit 2; }
+  mkdir -p "$FAULTS"
+  setsid nsenter --net="/run/netns/$(netns_of "$node")" "$py" -c "$DELAY_QUEUE_PY" "$DELAY_MARKER" "$2" "$3" \
+    </dev/null >>"$LOGS/delay-$node.log" 2>&1 &
+  echo $! >"$(delay_pidfile "$node")"
+  # Queue only once it listens: until then --queue-bypass would let packets through undelayed.
+  wait_for "the delay queue of $node" 40 delay_listening "$node" || { delay_stop "$node"; exit 1; }
+  in_node "$node" iptables-legacy -t mangle -A PREROUTING -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+  in_node "$node" iptables-legacy -t mangle -A POSTROUTING -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+}
+
+delay_listening() { # NODE
+  in_node "$1" awk '$1 == 0 {found = 1} END {exit !found}' /proc/net/netfilter/nfnetlink_queue
+}
+
+delay_stop() { # NODE
+  local p
+  if command -v iptables-legacy >/dev/null; then in_node "$1" iptables-legacy -t mangle -F 2>/dev/null || true; fi
+  p=$(delay_pid "$1")
+  if [ -n "$p" ]; then kill -TERM "$p" 2>/dev/null || true; fi
+  rm -f "$(delay_pidfile "$1")"
+}
+
 netem_off() { # NODE
   tc qdisc del dev "$(veth_of "$1")" root 2>/dev/null || true
   in_node "$1" tc qdisc del dev eth0 root 2>/dev/null || true
   nft_flush "$1" loss
+  delay_stop "$1"
+}
+
+seconds_of() { # TIME (tc's units: 50ms, 1.5s, 800us): seconds, or nothing if TIME is not one
+  [[ "$1" =~ ^([0-9]+([.][0-9]+)?)(s|sec|ms|msec|us|usec)$ ]] || return 0
+  awk -v n="${BASH_REMATCH[1]}" -v u="${BASH_REMATCH[3]}" \
+    'BEGIN {f = (u ~ /^us/) ? 1e-6 : (u ~ /^ms/) ? 1e-3 : 1; printf "%.6f", n * f}'
 }
 
 netem() { # NODE ARGS... | NODE off
-  local node=$1 pct basis
+  local node=$1 loss="" delay="" jitter=0 basis
   shift
   [ "$#" -gt 0 ] || { log "usage: netem NODE ARGS... | netem NODE off"; exit 2; }
   netem_off "$node"
@@ -657,17 +749,35 @@ netem() { # NODE ARGS... | NODE off
     echo "netem $node: $* (tc netem, both directions)"
     return 0
   fi
-  # A kernel without sch_netem: `loss P%` is emulated with nftables, nothing else can be.
-  if [ "$#" -eq 2 ] && [ "$1" = loss ] && [[ "$2" =~ ^[0-9]+([.][0-9]{1,2})?%?$ ]]; then
-    pct=${2%\%}
-    basis=$(awk -v p="$pct" 'BEGIN {printf "%d", p * 100 + 0.5}')
+  # No sch_netem in this kernel: `loss P%` becomes nftables rules, `delay TIME [JITTER]` a delay queue.
+  local args="$*"
+  while [ "$#" -gt 0 ]; do
+    case "$1" in
+      loss)
+        [[ "${2:-}" =~ ^[0-9]+([.][0-9]{1,2})?%$ ]] || break
+        loss=${2%\%}
+        shift 2
+        ;;
+      delay)
+        delay=$(seconds_of "${2:-}")
+        [ -n "$delay" ] || break
+        shift 2
+        if [ "$#" -gt 0 ] && [ -n "$(seconds_of "$1")" ]; then jitter=$(seconds_of "$1"); shift; fi
+        ;;
+      *) break ;;
+    esac
+  done
+  if [ "$#" -gt 0 ]; then
+    log "netem $node: this kernel has no sch_netem; emulated: 'loss P%' and 'delay TIME [JITTER]' (units s/ms/us), not '$args'"
+    exit 2
+  fi
+  if [ -n "$loss" ]; then
+    basis=$(awk -v p="$loss" 'BEGIN {printf "%d", p * 100 + 0.5}')
     if [ "$basis" -gt 10000 ]; then log "netem: loss above 100%"; exit 2; fi
     nft_rules "$node" loss "numgen random mod 10000 < $basis drop"
-    echo "netem $node: loss $pct% in each direction (nftables: this kernel has no sch_netem)"
-    return 0
   fi
-  log "netem $node: this kernel has no sch_netem (CONFIG_NET_SCH_NETEM): only 'loss P%' is emulated, not '$*'"
-  exit 2
+  if [ -n "$delay" ]; then delay_start "$node" "$delay" "$jitter"; fi
+  echo "netem $node: $args in each direction (nftables loss, NFQUEUE delay: this kernel has no sch_netem)"
 }
 
 heal() { # NODE

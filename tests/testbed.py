@@ -3,7 +3,8 @@
 A node of the testbed is a ``slurmd -N NODE`` plus the slurmstepd daemons it started and their
 processes. :func:`kill_node` makes a node die as a whole (SIGKILL of all of them at once); Slurm
 declares it DOWN after SlurmdTimeout (plus about 20 s, see scripts/testbed.sh) and acts on its jobs;
-:func:`revive_node` restarts its slurmd and resumes it.
+:func:`revive_node` restarts its slurmd and resumes it. On an instance with a network per node
+(setting ``netns="1"``) :class:`Testbed` also cuts, degrades and partitions a node's link.
 
 The instance is named by the node (``node3`` -> the default instance, ``dev2`` -> instance ``dev``)
 or explicitly with :class:`Testbed`. Killing a node of the default instance disturbs everyone who
@@ -116,7 +117,7 @@ class Testbed:
 
     def netem(self, node: str, *args: str) -> str:
         """``tc netem ARGS`` on the node's link, both directions (``"off"`` removes it). Without
-        sch_netem in the kernel only ``loss P%`` works (nftables); anything else raises."""
+        sch_netem in the kernel only ``loss P%`` and ``delay TIME [JITTER]`` are emulated; else raises."""
         return self.run("netem", node, *args).stdout.strip()
 
     def partition(self, node: str, *peers: str) -> str:

@@ -191,13 +191,14 @@ def test_task_affinity_binds_each_task(net: Net) -> None:
 
 def test_cut_link_stops_traffic_then_heals_itself(healed: Net) -> None:
     net = healed
-    line = net.tb.cut_link("net2", 2)
-    assert line.startswith("cut-link net2:") and "for 2 s" in line
-    assert net.echoes("net1", "net2") == 0
-    assert net.echoes("net2", "net3") == 0
+    line = net.tb.cut_link("net2", 3)
+    assert line.startswith("cut-link net2:") and "for 3 s" in line
+    assert net.echoes("net1", "net2", count=2) == 0
+    assert net.echoes("net2", "net3", count=2) == 0
     assert not net.reaches_slurmctld("net2")
     assert net.echoes("net1", "net3") == 5, "only net2's link is cut"
     net.wait_echoes("net1", "net2")
+    net.wait_echoes("net2", "net3")  # ARP entries that failed during the cut resolve again
     assert net.echoes("net2", "net3") == 5 and net.reaches_slurmctld("net2")
 
 
@@ -219,6 +220,16 @@ def test_netem_loss_loses_some_datagrams(healed: Net) -> None:
     assert net.echoes("net1", "net2", count=50) == 50
 
 
+def test_netem_delay_holds_packets_back(healed: Net) -> None:
+    """200 ms each way: no echo within 0.1 s, every echo within 1.5 s; off: prompt again."""
+    net = healed
+    net.tb.netem("net2", "delay", "200ms", "10ms")
+    assert net.echoes("net1", "net2", count=2, timeout=0.1) == 0
+    assert net.echoes("net1", "net2", count=3, timeout=1.5) == 3
+    net.tb.netem("net2", "off")
+    assert net.echoes("net1", "net2", count=5, timeout=0.1) == 5
+
+
 def test_flap_cuts_and_restores_repeatedly(healed: Net) -> None:
     net = healed
     net.tb.flap("net3", 0.5, 0.5, 3)
@@ -237,11 +248,14 @@ def test_heal_clears_every_fault(net: Net) -> None:
     tb.netem("net3", "loss", "50%")
     assert net.echoes("net2", "net3") == 0
     assert tb.heal("net3").startswith("heal net3:")
+    net.wait_echoes("net1", "net3")
+    net.wait_echoes("net2", "net3")
     assert net.echoes("net1", "net3", count=50) == 50 and net.echoes("net2", "net3", count=50) == 50
     assert net.reaches_slurmctld("net3")
     tb.flap("net3", 30, 1, 1)
     assert net.echoes("net2", "net3") == 0
     tb.heal("net3")
+    net.wait_echoes("net2", "net3")
     assert net.echoes("net2", "net3") == 5
 
 
