@@ -918,7 +918,7 @@ revive_node() { # NODE
 }
 
 case "${1:-}" in
-  install) install_packages ;;
+  install) NETNS=1 install_packages ;; # everything, the netns tools included
   up) up ;;
   down) down ;;
   restart) down; up ;;

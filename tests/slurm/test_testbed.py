@@ -1,5 +1,5 @@
 """The testbed itself: a second instance beside the default one, node death, unresolvable node
-names, preemption by partition priority.
+names, preemption by partition priority, CPU binding by task/cgroup + task/affinity.
 
 Everything that disturbs a cluster (killing a node, preempting) happens on a small instance of
 this module's own (``tbtest``: 2 nodes on 127.0.3.x, ports 7017/17201..), never on the default
@@ -8,7 +8,9 @@ instance that other tests share; the default instance is only looked at.
 
 from __future__ import annotations
 
+import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,11 +42,12 @@ def default_pids(slurm_cluster: dict[str, object]) -> dict[str, int | None]:
 
 @pytest.fixture(scope="module")
 def tb(default_pids: dict[str, int | None]) -> Iterator[Testbed]:
-    """A 2-node instance of this module's own: fast SlurmdTimeout, preemption, tbtest2 unresolvable."""
+    """A 2-node instance of this module's own: fast SlurmdTimeout, preemption, tbtest2 unresolvable,
+    tasks bound as clusters bind them (2 CPUs per node: task/affinity binds to the host's CPU ids)."""
     with own_instance(
         "tbtest",
         {"index": "3", "nodes": "2", "slurmd_timeout": str(SLURMD_TIMEOUT), "preempt": "1"}
-        | {"unresolvable": "tbtest2"},
+        | {"unresolvable": "tbtest2", "task_plugin": "task/cgroup,task/affinity", "cpus_per_node": "2"},
     ) as inst:
         yield inst
 
@@ -95,6 +98,16 @@ def test_unresolvable_node_name_runs_srun(tb: Testbed) -> None:
     socket.gethostbyname("tbtest1")
     out = tb.slurm("srun", "-N2", "-w", "tbtest[1-2]", "printenv", "SLURMD_NODENAME", timeout=60)
     assert sorted(out.split()) == ["tbtest1", "tbtest2"]
+
+
+def test_task_cgroup_confines_and_affinity_binds(tb: Testbed) -> None:
+    """task/cgroup puts a step in a cpuset of its CPUs; task/affinity gives each task its own CPU."""
+    show = "import os; print(sorted(os.sched_getaffinity(0)), open('/proc/self/cgroup').read().split())"
+    out = tb.slurm("srun", "-w", "tbtest1", "-n1", "-c1", sys.executable, "-c", show)
+    assert re.match(r"\[\d\] ", out) and "/job_" in out, out
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    out = tb.slurm("srun", "-w", "tbtest1", "-n2", "-c1", sys.executable, "-c", show)
+    assert sorted(out.split()) == ["[0]", "[1]"], out
 
 
 def test_preemption_requeues_debug_job(tb: Testbed) -> None:
