@@ -870,8 +870,11 @@ down() {
 status() {
   local node p
   echo "instance $NAME: SLURM_CONF=$CONF"
+  if [ "$NETNS" = 1 ]; then
+    echo "network: a namespace per node (hpce-$NAME-NODE), $NET.0/24 on bridge $BRIDGE, slurmctld at $CTLD_ADDR"
+  fi
   p=$(ctld_pid)
-  echo "slurmctld ${p:-not running} (port $CTLD_PORT)"
+  echo "slurmctld ${p:-not running} (port $(conf_value SlurmctldPort))"
   for node in $(node_names); do
     p=$(slurmd_pid "$node")
     echo "slurmd $node ${p:-not running}"
