@@ -1,0 +1,219 @@
+"""Network faults on real links between nodes, through ``hpcelastic submit`` (issue 19, items 2, 4, 5).
+
+A Slurm instance of this module's own (``fabric``: 4 nodes, each in a network namespace of its own with
+198.18.23.i on a bridge, slurmctld at 198.18.23.254, SlurmdTimeout 15 s). Faults are packets dropped or
+delayed on the fabric side of a node's link (``scripts/testbed.sh cut-link | netem | flap | partition``):
+the node and its processes live on and still reach the shared filesystem. Outcomes are asserted on
+Slurm's record of the job (JobState, Restarts, ExcNodeList) and on the events.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
+from tests.slurm_utils import TRAIN, events, named, reference_digest, train_args
+from tests.testbed import Testbed, own_instance
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+NAME = "fabric"
+SETTINGS = {"index": "23", "nodes": "4", "netns": "1", "slurmd_timeout": "15", "cpus_per_node": "4"}
+FENCE_TRAIN = Path(__file__).with_name("fence_train.py")
+#: The nodes talk over eth0 in their namespaces (site_configs/testbed-netns.yaml).
+SITE = "testbed-netns"
+
+
+@pytest.fixture(scope="module")
+def tb(slurm_cluster: dict[str, object]) -> Iterator[Testbed]:
+    with own_instance(NAME, SETTINGS) as inst:
+        yield inst
+
+
+def node(i: int) -> str:
+    return f"{NAME}{i}"
+
+
+def job_record(tb: Testbed, job: str) -> dict[str, str]:
+    out = tb.slurm("scontrol", "show", "job", "-o", job, check=False)
+    return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
+
+
+def submit(tb: Testbed, tmp_path: Path, *flags: str, script: Path, args: list[str]) -> tuple[str, Path]:
+    run = tmp_path / "run"
+    wait_until("every node idle", lambda: idle_nodes(tb) == 4, 60)  # a MIN:MAX job gets MAX nodes
+    argv = [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", SITE, "--run-dir", str(run)]
+    argv += ["--time", "10", *flags, str(script), *args]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return str(json.loads(proc.stdout)["job_id"]), run
+
+
+def submit_reference(tb: Testbed, tmp_path: Path, steps: int, *flags: str) -> tuple[str, Path]:
+    """The reference training (final model in ``tmp_path/out``) on three nodes, one worker each."""
+    args = [*train_args(steps), "--step-time", "0.1", "--out", str(tmp_path / "out")]
+    return submit(tb, tmp_path, "--nodes", "3", "--nproc-per-node", "1", *flags, script=TRAIN, args=args)
+
+
+def idle_nodes(tb: Testbed) -> int:
+    return tb.slurm("sinfo", "-h", "-N", "-o", "%T").split().count("idle")
+
+
+def wait_until(what: str, predicate: object, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def wait_ended(tb: Testbed, job: str, timeout: float = 240) -> dict[str, str]:
+    rec: dict[str, str] = {}
+
+    def ended() -> bool:
+        nonlocal rec
+        rec = job_record(tb, job)
+        return rec.get("JobState") in ENDED_STATES
+
+    wait_until(f"job {job} ended ({rec})", ended, timeout)
+    return rec
+
+
+def training(run: Path, attempt: int = 0) -> bool:
+    return any(e.get("attempt", attempt) == attempt for e in named(events(run), "progress"))
+
+
+def test_short_drops_loss_and_delay_leave_the_round_alone(tb: Testbed, tmp_path: Path) -> None:
+    """1 s and 3 s cuts, a link flapping faster than detection, 20 % loss on one link, then 5 % loss with
+    50 ms +- 20 ms on every link: all shorter than the detection bound (4 s of silence on both paths)."""
+    steps = 400
+    job, run = submit_reference(tb, tmp_path, steps)
+    try:
+        wait_until("the job trains", lambda: training(run))
+        tb.cut_link(node(2), 1)
+        time.sleep(4)
+        tb.cut_link(node(3), 3)
+        time.sleep(6)
+        tb.flap(node(2), 1, 1, 4)
+        time.sleep(9)
+        tb.netem(node(3), "loss", "20%")
+        time.sleep(8)
+        tb.netem(node(3), "off")
+        for i in (1, 2, 3):
+            tb.netem(node(i), "delay", "50ms", "20ms", "loss", "5%")
+        time.sleep(15)
+    finally:
+        for i in (1, 2, 3):
+            tb.heal(node(i))
+    rec = wait_ended(tb, job)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    evs = events(run)
+    assert not named(evs, "node_lost") and not named(evs, "restarting"), [e["event"] for e in evs]
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+
+
+def submit_with_spare(tb: Testbed, tmp_path: Path, out: Path, *, nproc: int) -> tuple[str, Path]:
+    """The fencing script on two round nodes and one hot spare; its rank logs go to ``out``."""
+    args = ["--out", str(out), "--steps", "500", "--step-time", "0.05"]
+    flags = ("--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", str(nproc))
+    return submit(tb, tmp_path, *flags, script=FENCE_TRAIN, args=args)
+
+
+def rank_lives(out: Path) -> dict[int, list[tuple[float, float, int, str]]]:
+    """For each rank, each worker process that ran it: (first line, last line, pid, attempt.restart)."""
+    lives: dict[int, list[tuple[float, float, int, str]]] = {}
+    for log in out.glob("rank-*.log"):
+        rank = int(log.stem.split("-")[1])
+        by_pid: dict[int, list[float]] = {}
+        tags: dict[int, str] = {}
+        for line in log.read_text().splitlines():
+            ts, pid, tag = line.split()
+            by_pid.setdefault(int(pid), []).append(float(ts))
+            tags[int(pid)] = tag
+        lives[rank] = sorted((min(t), max(t), pid, tags[pid]) for pid, t in by_pid.items())
+    return lives
+
+
+def test_a_node_cut_off_for_good_is_fenced_before_its_spare_takes_its_ranks(
+    tb: Testbed, tmp_path: Path
+) -> None:
+    """The round node is cut off from everyone (not from the filesystem) for longer than SlurmdTimeout:
+    it is lost within the detection bound, its agent stops its workers, the spare takes its ranks only
+    after the fence, Slurm marks the node DOWN and the job (``--no-kill``) finishes in its allocation."""
+    out = tmp_path / "out"
+    job, run = submit_with_spare(tb, tmp_path, out, nproc=2)
+    try:
+        wait_until("the job trains", lambda: (out / "step").exists())
+        rec = job_record(tb, job)
+        victim = node(2) if node(2) in tb.slurm("scontrol", "show", "hostnames", rec["NodeList"]) else None
+        assert victim is not None and rec["BatchHost"] != victim, rec
+        cut_at = time.time()
+        tb.cut_link(victim)
+        lost = None
+
+        def victim_lost() -> bool:
+            nonlocal lost
+            lost = next((e for e in named(events(run), "node_lost") if e["node"] == victim), None)
+            return lost is not None
+
+        wait_until("the cut node is lost", victim_lost, 60)
+        wait_until(f"Slurm marks {victim} DOWN", lambda: tb.node_state(victim).startswith("down"), 90)
+        rec = wait_ended(tb, job)
+    finally:
+        tb.heal(victim)
+        tb.revive_node(victim)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    assert lost is not None and "no answer to probes" in lost["reason"], lost
+    print(f"cut link lost after {lost['ts'] - cut_at:.1f} s")
+    evs = events(run)
+    assert len(named(evs, "restarting")) == 1, [e["event"] for e in evs]
+    # Fencing: for every rank, the worker of the old round wrote its last line before the new one started.
+    lives = rank_lives(out)
+    assert set(lives) == {0, 1, 2, 3}, lives
+    replaced = {r: v for r, v in lives.items() if len(v) > 1}
+    assert replaced, "the spare took the cut node's ranks"
+    for rank, runs in lives.items():
+        for (_, old_end, old_pid, _), (new_start, _, new_pid, _) in zip(runs, runs[1:], strict=False):
+            assert old_end < new_start, (
+                f"rank {rank}: pid {old_pid} wrote until {old_end}, {new_pid} from {new_start}"
+            )
+
+
+def test_the_coordinators_node_cut_off_excludes_no_healthy_node(tb: Testbed, tmp_path: Path) -> None:
+    """The batch host (coordinator) loses its link for 8 s: it loses both others, which fence themselves;
+    the job is requeued once, nothing excluded, and finishes with the same model as torchrun."""
+    steps = 240
+    job, run = submit_reference(tb, tmp_path, steps, "--max-requeues", "2")
+    wait_until("the job trains", lambda: training(run))
+    batch_host = job_record(tb, job)["BatchHost"]
+    tb.cut_link(batch_host, 8)
+    rec = wait_ended(tb, job)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
+    assert rec.get("ExcNodeList", "(null)") in ("(null)", ""), rec
+    requeued = named(events(run), "requeued")
+    assert len(requeued) == 1 and requeued[0]["exclude"] == [], requeued
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+
+
+def test_a_flapping_link_loses_the_node_once_and_the_job_goes_on(tb: Testbed, tmp_path: Path) -> None:
+    """A round node's link is cut for 6 s, back for 2 s, four times: lost once (its agent fences and leaves
+    the attempt), the spare takes its place, no restart storm."""
+    out = tmp_path / "out"
+    job, run = submit_with_spare(tb, tmp_path, out, nproc=1)
+    wait_until("the job trains", lambda: (out / "step").exists())
+    victim = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()[1]
+    tb.flap(victim, 6, 2, 4)
+    rec = wait_ended(tb, job)
+    tb.heal(victim)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    evs = events(run)
+    assert [e["node"] for e in named(evs, "node_lost")] == [victim], named(evs, "node_lost")
+    assert len(named(evs, "restarting")) == 1
