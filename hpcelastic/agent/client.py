@@ -16,7 +16,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hpcelastic.agent import liveness, messages, protocol
 
@@ -77,6 +77,7 @@ class CoordinatorClient:
         #: Send times of this agent's probes not yet answered, by counter.
         self._probes_sent: dict[int, float] = {}
         self._node_rank = -1
+        self._peer_key = liveness.peer_key(secret)
 
     def connect(self, hello: messages.Hello, timeout: float) -> messages.Welcome:
         """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
@@ -229,6 +230,45 @@ class CoordinatorClient:
                 self.send(messages.Heartbeat(sent=now), wait=False)
             self._closed.wait(min(liveness.PROBE_INTERVAL, max(0.0, next_beat - time.monotonic())))
 
+    def _answer_ping(self, data: bytes, addr: tuple[str, int]) -> None:
+        """Another agent of the job asks whether it can reach this node: answer (nothing else is answered)."""
+        try:
+            ping = liveness.decode(data, self._peer_key)
+        except protocol.ProtocolError:
+            return  # not ours: nothing unauthenticated counts
+        if ping.kind == liveness.PING:
+            pong = dataclasses.replace(ping, kind=liveness.PONG)
+            with contextlib.suppress(OSError):
+                self._probe_sock.sendto(liveness.encode(pong, self._peer_key), addr)
+
+    def unreachable(self, peers: Sequence[tuple[int, str, int]]) -> tuple[int, ...]:
+        """Of ``peers`` (node rank, address, probe port), those that answered none of
+        :data:`liveness.PING_TRIES` pings within :data:`liveness.PING_WINDOW` seconds."""
+        if not peers:
+            return ()
+        answered: set[int] = set()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            deadline = time.monotonic() + liveness.PING_WINDOW
+            next_ping, tries = 0.0, 0
+            while len(answered) < len(peers) and (now := time.monotonic()) < deadline:
+                if now >= next_ping and tries < liveness.PING_TRIES:
+                    tries += 1
+                    next_ping = now + liveness.PING_WINDOW / liveness.PING_TRIES
+                    for rank, host, port in peers:
+                        if rank not in answered:
+                            ping = liveness.Probe(liveness.FROM_AGENT, liveness.PING, rank, tries)
+                            with contextlib.suppress(OSError):
+                                sock.sendto(liveness.encode(ping, self._peer_key), (host, port))
+                sock.settimeout(max(0.01, min(next_ping, deadline) - now))
+                try:
+                    data = sock.recv(256)
+                    pong = liveness.decode(data, self._peer_key)
+                except (OSError, protocol.ProtocolError):
+                    continue
+                if pong.kind == liveness.PONG:
+                    answered.add(pong.node_rank)
+        return tuple(rank for rank, _, _ in peers if rank not in answered)
+
     def _send_probe(self, now: float) -> None:
         if self._probe_addr is None:
             return
@@ -251,7 +291,8 @@ class CoordinatorClient:
             try:
                 probe = liveness.decode(data, self._probe_key)
             except protocol.ProtocolError:
-                continue  # not ours: nothing unauthenticated counts
+                self._answer_ping(data, addr)
+                continue
             if probe.sender != liveness.FROM_COORDINATOR or probe.node_rank != self._node_rank:
                 continue
             if probe.kind == liveness.ANSWER:

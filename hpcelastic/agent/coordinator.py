@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import ipaddress
 import os
 import resource
 import secrets
@@ -51,6 +52,8 @@ MAX_PREAUTH_FRAME = 8192
 ACCEPT_BACKOFF = 0.05
 MAX_ACCEPT_BACKOFF = 1.0
 _ACCEPT_RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+#: How many neighbours a hung node pings (``DumpStacks.peers``): a ring of node ranks, half on each side.
+PING_NEIGHBOURS = 8
 #: An answer counts only to one of the last this many probes sent to that agent.
 RECENT_PROBES = 16
 #: The events an agent may have the coordinator write for it.
@@ -385,6 +388,8 @@ class Coordinator:
                 case Send(node_rank, message):
                     conn = self._by_rank.get(node_rank)
                     if conn is not None:
+                        if isinstance(message, messages.DumpStacks):
+                            message = dataclasses.replace(message, peers=self._neighbours(node_rank))
                         self._send(conn, message)
                 case Record(event):
                     self.events.record(event)
@@ -394,6 +399,26 @@ class Coordinator:
                     threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
             self.finished.set()
+
+    def _neighbours(self, node_rank: int) -> tuple[tuple[int, str, int], ...]:
+        """Up to :data:`PING_NEIGHBOURS` joined agents nearest ``node_rank`` (in a ring of node ranks) and
+        where their probes go: the peers a hung node pings. The coordinator's own agent reached it over
+        loopback; the others reach its node at the job's published address."""
+        ranks = sorted(r for r, c in self._by_rank.items() if c.probe_addr is not None)
+        if node_rank not in ranks or len(ranks) < 2:
+            return ()
+        i = ranks.index(node_rank)
+        half = PING_NEIGHBOURS // 2
+        near = dict.fromkeys(ranks[(i + d) % len(ranks)] for d in range(-half, half + 1) if d)
+        out = []
+        for rank in near:
+            if rank == node_rank:
+                continue
+            host, port = self._by_rank[rank].probe_addr  # type: ignore[misc]
+            if ipaddress.ip_address(host).is_loopback:
+                host = self.state.master_addr
+            out.append((rank, host, port))
+        return tuple(out)
 
     def _save_stacks(self, a: SaveStacks) -> None:
         """Write a hang's stacks file (off the coordinator thread: the filesystem may be slow)."""

@@ -122,21 +122,29 @@ class HangWatch:
             self._pending = messages.StallReport(round_, hung, ranks, round(idle, 1))
         self._wake()
 
-    def dump(self, round_: int, workers: Sequence[tuple[int, int, int]], send: Callable[..., Any]) -> None:
-        """In a thread: native stacks of ``(rank, local_rank, pid)``, then ``send(StacksReport)``."""
+    def dump(
+        self,
+        round_: int,
+        workers: Sequence[tuple[int, int, int]],
+        send: Callable[..., Any],
+        unreachable: Callable[[], tuple[int, ...]] = tuple,
+    ) -> None:
+        """In a thread: native stacks of ``(rank, local_rank, pid)`` and the peers ``unreachable()`` names
+        (pinged meanwhile), then ``send(StacksReport)``."""
 
         def work() -> None:
             pids = [pid for _, _, pid in workers]
             # Python-only dumps alongside the native ones: a native dump that times out costs no more time.
-            with ThreadPoolExecutor(max_workers=2) as pool:
+            with ThreadPoolExecutor(max_workers=3) as pool:
                 quick = pool.submit(pyspy.dump_many, pids, nonblocking=True, timeout=QUICK_TIMEOUT)
                 full = pool.submit(pyspy.dump_many, pids, native=True, timeout=NATIVE_TIMEOUT, retry=False)
+                cut_off = pool.submit(unreachable)
                 stacks = {pid: best(full.result()[pid], quick.result()[pid]) for pid in pids}
             doc = {
                 str(rank): {**stacks[pid].to_json(), "local_rank": local_rank}
                 for rank, local_rank, pid in workers
             }
-            send(messages.StacksReport(round_, fit(doc)))
+            send(messages.StacksReport(round_, fit(doc), cut_off.result()))
 
         threading.Thread(target=work, name="hpcelastic-stacks", daemon=True).start()
 

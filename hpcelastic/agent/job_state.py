@@ -25,7 +25,7 @@ from hpcelastic.agent import messages
 from hpcelastic.agent.messages import Failure
 from hpcelastic.agent.stop_step import REPORT_TIMEOUT_S, stop_step
 from hpcelastic.events import Event
-from hpcelastic.hangs.localize import Localization, localize
+from hpcelastic.hangs.localize import Localization, Reachability, localize
 from hpcelastic.hangs.stacks import ProcessStack, python_traceback, stack_from_json
 from hpcelastic.lifecycle.history import root_cause_signature
 from hpcelastic.lifecycle.progress import LONG_RUN_S
@@ -102,6 +102,8 @@ class _Hang:
     stacks: dict[int, ProcessStack] = field(default_factory=dict)
     info: dict[int, dict[str, Any]] = field(default_factory=dict)
     replied: set[int] = field(default_factory=set)
+    #: Node rank -> the peers it could not reach (pinged while its stacks were taken).
+    unreachable: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -515,6 +517,7 @@ class JobState:
             hang.stacks[rank] = stack_from_json(doc)
             hang.info[rank] = {"node_rank": node_rank, "node": host, "local_rank": doc.get("local_rank")}
         hang.replied.add(node_rank)
+        hang.unreachable[node_rank] = report.unreachable
 
     def _declare_hang(self) -> list[Action]:
         """Localize across all ranks, save the stacks, fail the root rank(s): the round restarts."""
@@ -522,7 +525,8 @@ class JobState:
         if hang is None or self.phase is not Phase.RUNNING:
             return []
         self.hang = _Hang(hang.round, float("inf"), hang.idle_s)  # declared once per round
-        loc = localize(hang.stacks)
+        node_of = {rank: int(info["node_rank"]) for rank, info in hang.info.items()}
+        loc = localize(hang.stacks, Reachability(node_of, hang.unreachable))
         now = self._now()
         base = {"round": hang.round, "exitcode": None, "signal": None, "ts": now, "hang": loc.to_json()}
         stacks_file = f"stacks/attempt-{self.attempt}/round-{hang.round}.json"

@@ -9,6 +9,10 @@ closes its connection and is lost at once; a cut link is lost after ``timeout + 
 link is not lost while any probe gets through. A stream silent for :data:`MAX_STREAM_SILENCE` is lost even
 while probes are answered (the connection itself is broken and nothing can be sent on it).
 
+When a hang is declared, agents also ping their neighbours in the round (:data:`PING`, keyed by the job's
+secret): a node the others cannot reach, or that cannot reach them, is what an asymmetric partition looks like
+to a collective that just waits (``hangs.localize``).
+
 Probes are hand-written datagrams (no library frames authenticated UDP for us): 52 bytes,
 ``magic | sender | kind | node rank | counter | flags | HMAC-SHA256``, keyed by the connection's session
 key (:func:`probe_key`), so only the two ends of that connection can make one; counters only grow, so a
@@ -40,6 +44,11 @@ FENCE_MARGIN = 0.5
 MAGIC = b"HPCP"
 FROM_COORDINATOR, FROM_AGENT = b"S", b"C"
 QUERY, ANSWER = b"Q", b"A"
+#: Agent to agent, keyed by :func:`peer_key`: can this node reach that one (a hang's network evidence)?
+PING, PONG = b"P", b"R"
+#: How long, and how often, an agent pings its peers when asked (``reachable``).
+PING_WINDOW = 1.0
+PING_TRIES = 5
 #: ``flags`` bit of a coordinator's answer: the agent is still a member of the job.
 MEMBER = 1
 _HEAD = struct.Struct("!4sccIQB")
@@ -63,6 +72,11 @@ def probe_key(session: Session) -> bytes:
     return session.derive("probe")
 
 
+def peer_key(secret: str) -> bytes:
+    """The job-wide key of the pings between agents (every agent has the job's secret)."""
+    return hmac.new(secret.encode(), b"hpcelastic/peer-probe", hashlib.sha256).digest()
+
+
 def encode(probe: Probe, key: bytes) -> bytes:
     """The datagram of ``probe``."""
     head = _HEAD.pack(MAGIC, probe.sender, probe.kind, probe.node_rank, probe.counter, probe.flags)
@@ -84,7 +98,7 @@ def decode(data: bytes, key: bytes) -> Probe:
     if not hmac.compare_digest(mac, hmac.new(key, head, hashlib.sha256).digest()):
         raise AuthError("probe failed authentication")
     _magic, sender, kind, node_rank, counter, flags = _HEAD.unpack(head)
-    if sender not in (FROM_COORDINATOR, FROM_AGENT) or kind not in (QUERY, ANSWER):
+    if sender not in (FROM_COORDINATOR, FROM_AGENT) or kind not in (QUERY, ANSWER, PING, PONG):
         raise ProtocolError("unknown probe kind")
     return Probe(sender, kind, node_rank, counter, flags)
 

@@ -212,7 +212,8 @@ class NodeLoop:
         if self.hangs is None or self.round is None or msg.round != self.round.round:
             return
         workers = [(w.rank, w.local_rank, w.proc.pid) for w in group.running()]
-        self.hangs.dump(msg.round, workers, self.rt.client.send)
+        peers = msg.peers
+        self.hangs.dump(msg.round, workers, self.rt.client.send, lambda: self.rt.client.unreachable(peers))
 
     def _send_stall_report(self) -> None:
         report = self.hangs.take_report() if self.hangs is not None else None

@@ -273,16 +273,23 @@ class StacksReport(Message):
     TAG = "stacks"
     round: int
     stacks: Mapping[str, Any]
+    #: The peers (node ranks) of the ``DumpStacks`` this node could not reach.
+    unreachable: tuple[int, ...] = ()
 
     def wire(self) -> Wire:
-        return {"t": self.TAG, "round": self.round, "stacks": dict(self.stacks)}
+        return {
+            "t": self.TAG,
+            "round": self.round,
+            "stacks": dict(self.stacks),
+            "unreachable": list(self.unreachable),
+        }
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> StacksReport:
         stacks = d.get("stacks", {})
         if not isinstance(stacks, dict) or not all(isinstance(v, dict) for v in stacks.values()):
             raise TypeError("stacks must be an object of objects")
-        return cls(int(d["round"]), stacks)
+        return cls(int(d["round"]), stacks, tuple(_node_rank(r) for r in d.get("unreachable", [])))
 
 
 # ---- coordinator -> agent ------------------------------------------------------------------------
@@ -379,10 +386,13 @@ class DumpStacks(Message):
 
     TAG = "dump_stacks"
     round: int
+    #: Neighbours in the round to ping, ``(node rank, address, probe port)``: filled in by the coordinator.
+    peers: tuple[tuple[int, str, int], ...] = ()
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> DumpStacks:
-        return cls(int(d["round"]))
+        peers = tuple((_node_rank(p[0]), str(p[1]), int(p[2])) for p in d.get("peers", []))
+        return cls(int(d["round"]), peers)
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,18 @@ Rules, first match wins:
    than every other, the ranks outside it are the cause.
 4. ``all_same``: every rank has the same signature outside any collective (all asleep, all deadlocked in one
    place): all ranks are named, at that place.
-5. ``undetermined``: everyone waits in a collective with the same stack (a rank that already left, a network
-   fault), or no group stands out (two ranks in two different places, all different): no rank named.
+5. ``network``: the stacks name nobody, but the nodes' pings (:class:`Reachability`) do: the node(s) with the
+   most failed pings, counting both ways (the peers that cannot reach it, the peers it cannot reach), at least
+   two; ties name every tied node (an asymmetric partition: a node reaches the coordinator but not its peers,
+   so every collective just waits). All ranks of the named nodes.
+6. ``undetermined``: everyone waits in a collective with the same stack (a rank that already left), or no
+   group stands out (two ranks in two different places, all different): no rank named.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +62,29 @@ class Localization:
         }
 
 
-def localize(stacks_by_rank: Mapping[int, ProcessStack]) -> Localization:
-    """Apply the module's rules to one stack per rank (taken at about the same time)."""
+@dataclass(frozen=True)
+class Reachability:
+    """Network evidence of a hang: each rank's node, and the peers each node could not reach."""
+
+    node_of: Mapping[int, int] = field(default_factory=dict)
+    unreachable: Mapping[int, Sequence[int]] = field(default_factory=dict)
+
+    def cut_off(self) -> tuple[list[int], int]:
+        """The node ranks with the most failed pings (both ways, at least 2), and that count."""
+        failed: Counter[int] = Counter()
+        for node, peers in self.unreachable.items():
+            for peer in peers:
+                failed[node] += 1
+                failed[peer] += 1
+        most = max(failed.values(), default=0)
+        if most < 2:
+            return [], 0
+        return sorted(n for n, c in failed.items() if c == most), most
+
+
+def localize(stacks_by_rank: Mapping[int, ProcessStack], network: Reachability | None = None) -> Localization:
+    """Apply the module's rules to one stack per rank (taken at about the same time), with the nodes'
+    pings as the last resort (``network``)."""
     groups_l: dict[str, list[int]] = defaultdict(list)
     for rank in sorted(stacks_by_rank):
         groups_l[signature(stacks_by_rank[rank])].append(rank)
@@ -101,4 +126,9 @@ def localize(stacks_by_rank: Mapping[int, ProcessStack]) -> Localization:
     if waiting and unread:
         return verdict("unreadable", unread, "the ranks not read are not in the collective")
     why = "all ranks wait in a collective" if waiting and not outside else "no stack is shared by a majority"
+    nodes, failed = network.cut_off() if network is not None else ([], 0)
+    named = [r for r in stacks_by_rank if network is not None and network.node_of.get(r) in nodes]
+    if named:
+        which = ", ".join(map(str, nodes))
+        return verdict("network", named, f"{why}; node rank(s) {which}: {failed} failed pings with peers")
     return verdict("undetermined", [], why)

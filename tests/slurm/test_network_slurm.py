@@ -217,3 +217,51 @@ def test_a_flapping_link_loses_the_node_once_and_the_job_goes_on(tb: Testbed, tm
     evs = events(run)
     assert [e["node"] for e in named(evs, "node_lost")] == [victim], named(evs, "node_lost")
     assert len(named(evs, "restarting")) == 1
+
+
+def test_an_asymmetric_partition_is_caught_by_hang_detection_which_names_the_node(
+    tb: Testbed, tmp_path: Path
+) -> None:
+    """fabric4 still reaches the coordinator's node but no longer fabric2 and fabric3: every collective just
+    waits. Hang detection declares the hang, the nodes' pings name fabric4, the round restarts (in the
+    allocation) and, the partition healed, the job finishes with the same model. The script is unchanged
+    (no heartbeats): the hang is seen in its stacks (py-spy), all in the same collective."""
+    steps = 300
+    ckpt = tmp_path / "ckpt"
+    job, run = submit(
+        tb,
+        tmp_path,
+        "--nodes",
+        "4",
+        "--nproc-per-node",
+        "1",
+        "--stall-timeout",
+        "10",
+        script=TRAIN,
+        args=[
+            *train_args(steps),
+            "--step-time",
+            "0.1",
+            "--out",
+            str(tmp_path / "out"),
+            "--plain",
+            "--ckpt-dir",
+            str(ckpt),
+        ],
+    )
+    victim = node(4)
+    try:
+        wait_until("the job trains", lambda: any(ckpt.glob("step-*.pt")))
+        tb.partition(victim, node(2), node(3))
+        wait_until("the hang is declared", lambda: named(events(run), "worker_failed"), 90)
+    finally:
+        tb.heal(victim)
+    rec = wait_ended(tb, job)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    evs = events(run)
+    failed = named(evs, "worker_failed")
+    assert {f["node"] for f in failed} == {victim}, failed
+    stacks = json.loads((run / "stacks" / "attempt-0" / "round-0.json").read_text())
+    assert stacks["localization"]["method"] == "network", stacks["localization"]
+    assert named(evs, "root_cause")[0]["node"] == victim
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)

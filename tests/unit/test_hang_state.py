@@ -105,9 +105,45 @@ def test_undetermined_hang_still_restarts() -> None:
     assert sends(declared, "stop")
 
 
+def test_a_hang_only_the_nodes_pings_explain_names_the_cut_off_node() -> None:
+    """Issue 19: node 3 reaches the coordinator but not nodes 1 and 2; every rank waits in the same
+    collective, so only the pings taken with the stacks can name it (counted both ways)."""
+    st = make(4)
+    join_all(st)
+    for n in range(4):
+        asked = stalled(st, n)
+    assert set(sends(asked, "dump_stacks")) == {0, 1, 2, 3}
+    cut_off = {0: (), 1: (3,), 2: (3,), 3: (1, 2)}
+    declared: list[Any] = []
+    for n in range(4):
+        report = node_stacks(n, None)
+        declared = st.stacks_report(n, messages.StacksReport(0, report.stacks, cut_off[n]))
+    (saved,) = [a for a in declared if isinstance(a, SaveStacks)]
+    assert saved.localization.method == "network" and saved.localization.root_ranks == (6, 7)
+    failed = events(declared, "worker_failed")
+    assert [(f["rank"], f["node"]) for f in failed] == [(6, "n3"), (7, "n3")]
+    assert "node rank(s) 3" in failed[0]["error"]
+
+
+def test_pings_that_all_failed_once_name_nobody() -> None:
+    """One lost ping pair is no partition: at least two failed pings are needed to name a node."""
+    st = make(2)
+    join_all(st)
+    stalled(st, 0)
+    stalled(st, 1)
+    st.stacks_report(0, messages.StacksReport(0, node_stacks(0, None).stacks, (1,)))
+    declared = st.stacks_report(1, node_stacks(1, None))
+    (saved,) = [a for a in declared if isinstance(a, SaveStacks)]
+    assert saved.localization.method == "undetermined"
+
+
 def test_messages_round_trip() -> None:
     report = messages.StallReport(3, True, (1, 2), 9.5)
     assert messages.decode(messages.FROM_AGENT, messages.encode(report)) == report
+    stacks = messages.StacksReport(3, {"1": {"pid": 1}}, (4, 5))
+    assert messages.decode(messages.FROM_AGENT, messages.encode(stacks)) == stacks
+    dump = messages.DumpStacks(3, ((1, "198.18.0.1", 4000),))
+    assert messages.decode(messages.FROM_COORDINATOR, messages.encode(dump)) == dump
     stacks = node_stacks(0, 1)
     back = messages.decode(messages.FROM_AGENT, messages.encode(stacks))
     assert isinstance(back, messages.StacksReport) and back.stacks == stacks.stacks

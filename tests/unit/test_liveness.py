@@ -216,3 +216,15 @@ def test_a_silent_agent_without_probe_answers_is_lost_and_fences_itself_first(pl
     # The fence's premise: the agent's lease ends no later than the coordinator declares it lost (one
     # check interval of either side aside).
     assert agent_fenced <= float(event["ts"]) + 2 * liveness.PROBE_INTERVAL
+
+
+def test_agents_ping_each_other_with_the_jobs_key_and_strangers_get_no_answer(plane: Plane) -> None:
+    a, b = plane.clients
+    b_port = b._probe_sock.getsockname()[1]
+    assert a.unreachable([(1, "127.0.0.1", b_port)]) == ()
+    assert a.unreachable([(1, "127.0.0.1", b_port), (7, "127.0.0.1", 9)]) == (7,)
+    stranger = CoordinatorClient("127.0.0.1", 1, "x" * 64, on_message=lambda _m: None)
+    try:
+        assert stranger.unreachable([(1, "127.0.0.1", b_port)]) == (1,), "a ping without the job's key"
+    finally:
+        stranger.close()
