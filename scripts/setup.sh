@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium)
+apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium nftables iptables)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

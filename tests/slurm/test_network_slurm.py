@@ -188,13 +188,13 @@ def test_a_node_cut_off_for_good_is_fenced_before_its_spare_takes_its_ranks(
 
 
 def test_the_coordinators_node_cut_off_excludes_no_healthy_node(tb: Testbed, tmp_path: Path) -> None:
-    """The batch host (coordinator) loses its link for 8 s: it loses both others, which fence themselves;
+    """The batch host (coordinator) loses its link for 10 s: it loses both others, which fence themselves;
     the job is requeued once, nothing excluded, and finishes with the same model as torchrun."""
     steps = 240
     job, run = submit_reference(tb, tmp_path, steps, "--max-requeues", "2")
     wait_until("the job trains", lambda: training(run))
     batch_host = job_record(tb, job)["BatchHost"]
-    tb.cut_link(batch_host, 8)
+    tb.cut_link(batch_host, 10)
     rec = wait_ended(tb, job)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
     assert rec.get("ExcNodeList", "(null)") in ("(null)", ""), rec
