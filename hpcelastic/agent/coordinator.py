@@ -447,8 +447,8 @@ class Coordinator:
                 continue
             if conn.alive.lost(now):
                 why = (
-                    f"no heartbeat for {now - conn.last_recv:.1f} s and no answer to probes for "
-                    f"{conn.alive.silent_for(now):.1f} s (node hung or unreachable)"
+                    f"no heartbeat for {now - conn.last_recv:.1f} s and no answer to probes in the last "
+                    f"{self._probe_timeout:g} s (node hung or unreachable)"
                 )
                 self._drop(conn, why, silent=True)
             elif conn.alive.probe_due(now):

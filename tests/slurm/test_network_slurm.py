@@ -190,7 +190,7 @@ def test_a_node_cut_off_for_good_is_fenced_before_its_spare_takes_its_ranks(
 def test_the_coordinators_node_cut_off_excludes_no_healthy_node(tb: Testbed, tmp_path: Path) -> None:
     """The batch host (coordinator) loses its link for 10 s: it loses both others, which fence themselves;
     the job is requeued once, nothing excluded, and finishes with the same model as torchrun."""
-    steps = 240
+    steps = 150
     job, run = submit_reference(tb, tmp_path, steps, "--max-requeues", "2")
     wait_until("the job trains", lambda: training(run))
     batch_host = job_record(tb, job)["BatchHost"]
