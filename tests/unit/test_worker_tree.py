@@ -59,7 +59,11 @@ def test_a_setsid_grandchild_is_killed_with_its_worker(tmp_path: Path, worker_fa
             group = WorkerGroup(cfg, sel, watchdog, out_fd=devnull)
             group.start(ROUND)
             grandchildren = _wait_pids(tmp_path, cfg.nproc)
-            assert all(os.getsid(g) == g for g in grandchildren)  # each left its worker's session
+            # Each leaves its worker's session (the setsid program may not have called setsid() yet).
+            deadline = time.monotonic() + 10
+            while not all(os.getsid(g) == g for g in grandchildren) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert all(os.getsid(g) == g for g in grandchildren)
             readers = [w.reader for w in group.workers]
             t0 = time.monotonic()
             group.stop(1.0)
