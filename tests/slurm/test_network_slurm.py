@@ -92,9 +92,10 @@ def training(run: Path, attempt: int = 0) -> bool:
 
 
 def test_short_drops_loss_and_delay_leave_the_round_alone(tb: Testbed, tmp_path: Path) -> None:
-    """1 s and 3 s cuts, a link flapping faster than detection, 20 % loss on one link, then 5 % loss with
-    50 ms +- 20 ms on every link: all shorter than the detection bound (4 s of silence on both paths)."""
-    steps = 400
+    """1 s and 3 s cuts, a link flapping faster than detection, 20 % loss on one link, 300 ms of delay on
+    one and 1 % loss on another, then 5 % loss with 50 ms +- 20 ms on every link: none silences a node for
+    the detection bound (4 s on both paths)."""
+    steps = 450
     job, run = submit_reference(tb, tmp_path, steps)
     try:
         wait_until("the job trains", lambda: training(run))
@@ -107,6 +108,11 @@ def test_short_drops_loss_and_delay_leave_the_round_alone(tb: Testbed, tmp_path:
         tb.netem(node(3), "loss", "20%")
         time.sleep(8)
         tb.netem(node(3), "off")
+        tb.netem(node(2), "delay", "300ms")
+        tb.netem(node(3), "loss", "1%")
+        time.sleep(6)
+        tb.netem(node(2), "off")
+        tb.netem(node(3), "off")
         for i in (1, 2, 3):
             tb.netem(node(i), "delay", "50ms", "20ms", "loss", "5%")
         time.sleep(15)
@@ -118,13 +124,6 @@ def test_short_drops_loss_and_delay_leave_the_round_alone(tb: Testbed, tmp_path:
     evs = events(run)
     assert not named(evs, "node_lost") and not named(evs, "restarting"), [e["event"] for e in evs]
     assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
-
-
-def submit_with_spare(tb: Testbed, tmp_path: Path, out: Path, *, nproc: int) -> tuple[str, Path]:
-    """The fencing script on two round nodes and one hot spare; its rank logs go to ``out``."""
-    args = ["--out", str(out), "--steps", "500", "--step-time", "0.05"]
-    flags = ("--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", str(nproc))
-    return submit(tb, tmp_path, *flags, script=FENCE_TRAIN, args=args)
 
 
 def rank_lives(out: Path) -> dict[int, list[tuple[float, float, int, str]]]:
@@ -149,7 +148,9 @@ def test_a_node_cut_off_for_good_is_fenced_before_its_spare_takes_its_ranks(
     it is lost within the detection bound, its agent stops its workers, the spare takes its ranks only
     after the fence, Slurm marks the node DOWN and the job (``--no-kill``) finishes in its allocation."""
     out = tmp_path / "out"
-    job, run = submit_with_spare(tb, tmp_path, out, nproc=2)
+    args = ["--out", str(out), "--steps", "500", "--step-time", "0.05"]
+    flags = ("--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", "2")
+    job, run = submit(tb, tmp_path, *flags, script=FENCE_TRAIN, args=args)
     try:
         wait_until("the job trains", lambda: (out / "step").exists())
         rec = job_record(tb, job)
@@ -203,13 +204,15 @@ def test_the_coordinators_node_cut_off_excludes_no_healthy_node(tb: Testbed, tmp
     assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
 
 
-def test_a_flapping_link_loses_the_node_once_and_the_job_goes_on(tb: Testbed, tmp_path: Path) -> None:
-    """A round node's link is cut for 6 s, back for 2 s, four times: lost once (its agent fences and leaves
-    the attempt), the spare takes its place, no restart storm."""
+def test_a_flapping_link_loses_the_node_once_and_the_job_shrinks(tb: Testbed, tmp_path: Path) -> None:
+    """A node's link is cut for 6 s, back for 2 s, four times, `--nodes 2:3` on 3 nodes: lost once (its
+    agent fences and leaves the attempt), the job goes on with the other two, no restart storm."""
     out = tmp_path / "out"
-    job, run = submit_with_spare(tb, tmp_path, out, nproc=1)
+    args = ["--out", str(out), "--steps", "500", "--step-time", "0.05"]
+    flags = ("--nodes", "2:3", "--sbatch-arg=--nodes=3", "--nproc-per-node", "1")
+    job, run = submit(tb, tmp_path, *flags, script=FENCE_TRAIN, args=args)
     wait_until("the job trains", lambda: (out / "step").exists())
-    victim = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()[1]
+    victim = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()[2]
     tb.flap(victim, 6, 2, 4)
     rec = wait_ended(tb, job)
     tb.heal(victim)
@@ -217,6 +220,29 @@ def test_a_flapping_link_loses_the_node_once_and_the_job_goes_on(tb: Testbed, tm
     evs = events(run)
     assert [e["node"] for e in named(evs, "node_lost")] == [victim], named(evs, "node_lost")
     assert len(named(evs, "restarting")) == 1
+
+
+def test_a_node_lost_by_silence_is_bad_only_while_its_slurmd_does_not_answer(tb: Testbed) -> None:
+    """The decider's second look (``evidence.still_bad``) at a node lost by silence, from the root namespace:
+    cut off, it stays bad; healed, it is no longer held against (a node that crashed stays bad)."""
+    env = tb.slurm_env()
+    code = (
+        "import sys; from hpcelastic.lifecycle.evidence import still_bad; "
+        f"print(','.join(still_bad(['{node(3)}', '{node(4)}'], ['{node(4)}'])))"
+    )
+
+    def decide() -> str:
+        argv = [sys.executable, "-c", code]
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    tb.cut_link(node(4))
+    try:
+        assert decide() == f"{node(3)},{node(4)}"
+    finally:
+        tb.heal(node(4))
+    assert decide() == node(3)
 
 
 def test_an_asymmetric_partition_is_caught_by_hang_detection_which_names_the_node(
