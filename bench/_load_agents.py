@@ -6,25 +6,36 @@ handshake (``protocol.client_hello``/``client_welcome``) over its own TCP socket
 ``stopped``), without workers. The driver steers the process through a pipe; every reply and
 notification is a tuple. Times are ``time.time()`` so they compare with ``events.jsonl``.
 
+An agent whose connection brings no challenge (closed by the coordinator's cap of unauthenticated
+connections, refused, or silent for ``CHALLENGE_TIMEOUT``) connects again after ``RETRY_DELAY``, as
+``CoordinatorClient.connect`` does.
+
 Hand-written event loop: the point is thousands of clients in a few processes, which threads around
-the blocking ``CoordinatorClient`` could not give on two cores.
+the blocking ``CoordinatorClient`` could not give on two cores. The real client's burst is measured
+separately (:func:`real_clients_main`, a thread per client).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import selectors
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from hpcelastic.agent import messages, protocol
-from hpcelastic.agent.client import CHALLENGE_TIMEOUT
+from hpcelastic.agent.client import CHALLENGE_TIMEOUT, RETRY_DELAY, CoordinatorClient, CoordinatorUnreachable
 
 LOOP_LIMIT_S = 600.0
+#: Agents connect from this many loopback addresses (127.0.1.x), as from as many hosts: one address's
+#: ephemeral ports (about 28,000) run out once 16,384 connections and their retries' TIME_WAITs hold them.
+SOURCE_ADDRESSES = 128
+_IP_BIND_ADDRESS_NO_PORT = getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24)
 
 
 @dataclass(eq=False)
@@ -37,6 +48,7 @@ class SimAgent:
     retries: int = 0
     buf: protocol.FrameBuffer = field(default_factory=protocol.FrameBuffer)
     out: bytearray = field(default_factory=bytearray)
+    writing: bool = False
     session: protocol.Session | None = None
     joined: bool = False
     round: int = -1
@@ -60,8 +72,14 @@ class AgentSwarm:
         self.sel.register(ctl.fileno(), selectors.EVENT_READ, None)
         self.connect_ts: float | None = None
         self.announced: set[int] = set()
+        #: Per round not yet announced: the live agents still waiting for its assignment.
+        self.waiting: dict[int, set[int]] = {}
+        #: Agents waiting to connect again, in the order they are due (one fixed delay keeps it sorted).
+        self.retry_queue: collections.deque[tuple[float, SimAgent]] = collections.deque()
         self.running = True
+        self.hb_sent = self.hb_received = 0
         self.handlers: messages.Handlers = {
+            messages.Heartbeat: self._on_heartbeat,
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
             messages.Finish: self._on_finish,
@@ -85,6 +103,7 @@ class AgentSwarm:
         elif name == "silence":
             a = self.agents[cmd[1]]
             a.silent, a.gone = True, True
+            self._no_longer_waited_for(a)
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(a.sock)
             self.ctl.send(("silenced", a.rank, time.time()))
@@ -93,6 +112,8 @@ class AgentSwarm:
                 self._send(a, messages.Done(a.round))
         elif name == "report":
             self.ctl.send(("report", self.report()))
+        elif name == "counts":
+            self.ctl.send(("counts", self.hb_sent, self.hb_received))
         elif name == "exit":
             self.running = False
 
@@ -119,23 +140,36 @@ class AgentSwarm:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_IP, _IP_BIND_ADDRESS_NO_PORT, 1)  # the port is picked at connect
+        sock.bind((f"127.0.1.{1 + a.rank % SOURCE_ADDRESSES}", 0))
+        a.gone, a.buf, a.out, a.writing = False, protocol.FrameBuffer(), bytearray(), False
+        a.sock, a.connect_at = sock, time.monotonic()
         rc = sock.connect_ex(("127.0.0.1", self.port))
         if rc not in (0, errno.EINPROGRESS):
-            a.error, a.gone = f"connect failed: {errno.errorcode.get(rc, rc)}", True
-            sock.close()
+            self._retry(a)
             return
-        a.sock, a.connect_at = sock, time.monotonic()
         self.sel.register(sock, selectors.EVENT_READ, a)
 
+    def _retry(self, a: SimAgent) -> None:
+        """No challenge on this connection (refused, closed by the coordinator's cap, or none in time):
+        connect again after ``RETRY_DELAY``, as ``CoordinatorClient.connect`` does."""
+        self._close(a)
+        a.retries += 1
+        self.retry_queue.append((time.monotonic() + RETRY_DELAY, a))
+
+    def _connect_due(self) -> None:
+        now = time.monotonic()
+        while self.retry_queue and self.retry_queue[0][0] <= now:
+            a = self.retry_queue.popleft()[1]
+            if a.session is None and not a.silent:
+                self._connect(a)
+
     def _retry_unserved(self) -> None:
-        """Reconnect agents that got no challenge in time, as ``CoordinatorClient.connect`` does."""
+        """Reconnect agents whose connection sent no challenge within ``CHALLENGE_TIMEOUT``."""
         now = time.monotonic()
         for a in self.agents.values():
             if a.sock is not None and a.session is None and now - a.connect_at > CHALLENGE_TIMEOUT:
-                self._close(a)
-                a.gone, a.buf = False, protocol.FrameBuffer()
-                a.retries += 1
-                self._connect(a)
+                self._retry(a)
 
     def _fail(self, a: SimAgent) -> None:
         """A worker of this node crashed: report it, then report the node stopped (as ``Agent`` does)."""
@@ -153,6 +187,9 @@ class AgentSwarm:
         self._send(a, messages.Stopped(a.round))
         a.reported_round = a.round
         self.ctl.send(("failed", a.rank, failure["ts"]))
+
+    def _on_heartbeat(self, _msg: messages.Heartbeat, _a: SimAgent) -> None:
+        self.hb_received += 1
 
     def _on_round(self, msg: messages.Round, a: SimAgent) -> None:
         now = time.time()
@@ -175,13 +212,36 @@ class AgentSwarm:
         return [a for a in self.agents.values() if a.joined and not a.gone]
 
     def _maybe_announce(self, rnd: int) -> None:
-        """Tell the driver once every live agent of this process has round ``rnd``'s assignment."""
+        """Tell the driver once every live agent of this process has round ``rnd``'s assignment.
+
+        The agents still waiting are kept per round: checking every agent on every assignment would
+        cost O(agents) per message, O(agents²) per round.
+        """
         if rnd in self.announced:
             return
-        live = self._live()
-        if live and all(rnd in a.rounds for a in live):
-            self.announced.add(rnd)
-            self.ctl.send(("round", rnd, max(a.rounds[rnd] for a in live)))
+        if rnd not in self.waiting:
+            self.waiting[rnd] = {a.rank for a in self._live() if rnd not in a.rounds}
+        self._announce_if_complete(rnd)
+
+    def _no_longer_waited_for(self, a: SimAgent) -> None:
+        """``a`` is gone: no round waits for it any more."""
+        for rnd, waiting in list(self.waiting.items()):
+            waiting.discard(a.rank)
+            self._announce_if_complete(rnd)
+
+    def _announce_if_complete(self, rnd: int) -> None:
+        waiting = self.waiting[rnd]
+        while waiting:
+            first = next(iter(waiting))
+            if rnd not in self.agents[first].rounds:
+                return
+            waiting.discard(first)
+        if not waiting:
+            del self.waiting[rnd]
+            live = self._live()
+            if live:
+                self.announced.add(rnd)
+                self.ctl.send(("round", rnd, max(a.rounds[rnd] for a in live)))
 
     # ---- I/O --------------------------------------------------------------------------------
     def _send(self, a: SimAgent, msg: messages.Message) -> None:
@@ -200,8 +260,10 @@ class AgentSwarm:
         except OSError as e:
             self._lose(a, f"send failed: {e}")
             return
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.modify(a.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if a.out else 0), a)
+        if a.writing != bool(a.out):
+            a.writing = bool(a.out)
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.modify(a.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if a.out else 0), a)
 
     def _readable(self, a: SimAgent) -> None:
         assert a.sock is not None
@@ -210,10 +272,16 @@ class AgentSwarm:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._lose(a, f"recv failed: {e}")
+            if a.session is None:
+                self._retry(a)
+            else:
+                self._lose(a, f"recv failed: {e}")
             return
         if not data:
-            self._lose(a, "coordinator closed the connection")
+            if a.session is None:
+                self._retry(a)
+            else:
+                self._lose(a, "coordinator closed the connection")
             return
         try:
             for payload in a.buf.feed(data):
@@ -241,6 +309,7 @@ class AgentSwarm:
 
     def _close(self, a: SimAgent) -> None:
         a.gone = True
+        self._no_longer_waited_for(a)
         if a.sock is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(a.sock)
@@ -251,6 +320,7 @@ class AgentSwarm:
         for a in self._live():
             if not a.silent:
                 self._send(a, messages.Heartbeat())
+                self.hb_sent += 1
 
     def run(self) -> None:
         """Serve until the driver says ``exit`` (or the loop's hard time limit passes)."""
@@ -258,7 +328,8 @@ class AgentSwarm:
         next_hb = time.monotonic() + self.hb_interval
         self.ctl.send(("ready",))
         while self.running and time.monotonic() < hard_stop:
-            for key, mask in self.sel.select(timeout=max(0.0, next_hb - time.monotonic())):
+            wake = min(next_hb, self.retry_queue[0][0]) if self.retry_queue else next_hb
+            for key, mask in self.sel.select(timeout=max(0.0, wake - time.monotonic())):
                 a = key.data
                 if a is None:
                     self.command(self.ctl.recv())
@@ -267,6 +338,7 @@ class AgentSwarm:
                     self._flush(a)
                 if mask & selectors.EVENT_READ and not a.gone:
                     self._readable(a)
+            self._connect_due()
             if time.monotonic() >= next_hb:
                 next_hb = time.monotonic() + self.hb_interval
                 self._heartbeat()
@@ -278,3 +350,47 @@ class AgentSwarm:
 def swarm_main(port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
     """Process entry point: serve ``ranks`` as simulated agents of the coordinator at ``port``."""
     AgentSwarm(port, secret, ranks, ctl, hb_interval).run()
+
+
+class _CountingClient(CoordinatorClient):
+    """The real client, counting its connection attempts (each retry is one more)."""
+
+    attempts = 0
+
+    def _handshake(self, sock: socket.socket, hello: messages.Hello, deadline: float) -> messages.Welcome:
+        self.attempts += 1
+        return super()._handshake(sock, hello, deadline)
+
+
+def real_clients_main(port: int, secret: str, ranks: list[int], timeout: float, ctl: Connection) -> None:
+    """Process entry point: one thread per rank runs the real ``CoordinatorClient.connect`` on the driver's
+    ``go``, then starts its heartbeats; reports ``rank -> (welcome time or None, connection attempts,
+    error)``, and closes them all on ``exit``."""
+    go = threading.Event()
+    results: dict[int, tuple[float | None, int, str]] = {}
+    clients: list[CoordinatorClient] = []
+
+    def join(rank: int) -> None:
+        client = _CountingClient("127.0.0.1", port, secret, on_message=lambda _m: None)
+        clients.append(client)
+        go.wait()
+        try:
+            client.connect(messages.Hello(node_rank=rank, host=f"sim{rank}", nproc=1, pid=rank), timeout)
+        except CoordinatorUnreachable as e:
+            results[rank] = (None, client.attempts, str(e))
+        else:
+            results[rank] = (time.time(), client.attempts, "")
+            client.start()  # heartbeats, as an agent's: a silent member would be dropped before all joined
+
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    ctl.send(("ready",))
+    if ctl.poll(LOOP_LIMIT_S) and ctl.recv()[0] == "go":
+        go.set()
+        for t in threads:
+            t.join(timeout + CHALLENGE_TIMEOUT)
+    ctl.send(("result", results))
+    ctl.poll(LOOP_LIMIT_S)
+    for client in clients:
+        client.close()

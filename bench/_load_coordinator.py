@@ -12,8 +12,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from hpcelastic.agent import messages
-from hpcelastic.agent.coordinator import Coordinator, PortReservation
+from hpcelastic.agent import coordinator, messages
+from hpcelastic.agent.coordinator import PortReservation
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
@@ -22,9 +22,21 @@ LIFETIME_S = 600.0
 
 
 def coordinator_main(
-    run_dir: str, nodes: int, max_restarts: int, hb_interval: float, hb_timeout: float, ctl: Connection
+    run_dir: str,
+    nodes: int,
+    max_restarts: int,
+    hb_interval: float,
+    hb_timeout: float,
+    ctl: Connection,
+    max_preauth: int | None = None,
 ) -> None:
-    """Serve ``nodes`` agents until the job finishes or the driver says ``stop``; report the result."""
+    """Serve ``nodes`` agents until the job finishes or the driver says ``stop``; report the result.
+
+    ``max_preauth``: the cap of unauthenticated connections instead of the product's (tests make agents
+    meet it with a few agents).
+    """
+    if max_preauth is not None:
+        coordinator.MAX_PREAUTH = max_preauth
     run = RunDir(Path(run_dir))
     ports = PortReservation()
     state = JobState(
@@ -35,7 +47,7 @@ def coordinator_main(
         new_port=ports.new_port,
         rdzv_timeout=120.0,
     )
-    coord = Coordinator(
+    coord = coordinator.Coordinator(
         listen("127.0.0.1", 0),
         run.read_secret(),
         state,
