@@ -42,8 +42,8 @@ EXIT_CANCELLED = 128 + signal.SIGTERM
 
 def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) -> NodeRuntime | int:
     """Build this node's runtime, registering every clean-up on ``stack``; an exit code if it ended."""
-    timing = Timing.from_environ(os.environ)
     ctx = env.context()
+    timing = Timing.from_environ(os.environ, nodes=len(ctx.hosts))
     min_nodes = node_range(spec, ctx)[0]
     nproc = worker_count(spec, ctx)
     if cancelled_before_start(spec, ctx, env.environ):

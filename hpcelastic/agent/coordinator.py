@@ -9,7 +9,8 @@ agent, so control traffic per event is O(nodes). Heartbeats both ways: an agent 
 for ``probe_timeout`` more (``liveness.py``; frames already received are read first); a closed connection
 is seen immediately. Each heartbeat to an agent echoes the latest one received from it: the agent's lease.
 
-Strangers cost little: at most :data:`MAX_PREAUTH` unauthenticated connections, frames of at most
+Strangers cost little: at most :data:`MAX_PREAUTH` unauthenticated connections, or one per node of a
+larger job (what its own agents need at once anyway), frames of at most
 :data:`MAX_PREAUTH_FRAME` bytes before authentication, and a listener that backs off when ``accept``
 runs out of descriptors. Events are written by an
 :class:`~hpcelastic.agent.event_writer.EventWriter` thread, so a slow or failing filesystem never
@@ -18,6 +19,7 @@ delays a heartbeat nor ends the control plane.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -44,10 +46,14 @@ HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
 #: How often silent agents are looked for: a lost node is seen at most this long after the heartbeat timeout.
 LIVENESS_CHECK_S = 0.1
-#: Connections not yet authenticated, at most; more are closed at once (an agent retries).
+#: Connections not yet authenticated, at most (or the job's node count, if larger: a burst of every agent at
+#: once must not overflow the kernel's backlog, whose drops cost an agent a SYN retransmission, 1 s); while
+#: that many are open the listener rests and more wait in the backlog (one closed would cost a retry).
 MAX_PREAUTH = 512
 #: The largest frame before authentication (a hello is far smaller): bounds what strangers make us buffer.
 MAX_PREAUTH_FRAME = 8192
+#: The listener's backlog at least (``env.base.listen``'s); a larger job gets one slot per node.
+LISTEN_BACKLOG = 4096
 #: Pause of the listener when ``accept`` fails for lack of descriptors or memory, doubled up to the maximum.
 ACCEPT_BACKOFF = 0.05
 MAX_ACCEPT_BACKOFF = 1.0
@@ -80,6 +86,8 @@ class _Conn:
     probe_from_counter: int = 0
     #: The ``sent`` time of the latest heartbeat received from the agent (echoed back: its lease).
     heartbeat_sent: float | None = None
+    #: Whether the selector watches this connection for writability (changed only when that changes).
+    writing: bool = False
 
 
 def _rank(conn: _Conn) -> int:
@@ -157,6 +165,10 @@ class Coordinator:
         self._by_rank: dict[int, _Conn] = {}
         #: Connections that have not authenticated yet (oldest first).
         self._preauth: dict[int, _Conn] = {}
+        self._max_preauth = max(MAX_PREAUTH, len(state.hosts))
+        #: Joined connections, heard from longest ago first: the liveness check reads the expired only.
+        self._by_last_recv: collections.OrderedDict[int, _Conn] = collections.OrderedDict()
+        self._listening = False
         self._accept_backoff = ACCEPT_BACKOFF
         self._accept_paused_until: float | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -186,8 +198,11 @@ class Coordinator:
     def start(self) -> None:
         """Start serving in a background thread."""
         raise_fd_limit()
+        # Room in the kernel's accept queue for every agent at once (capped at net.core.somaxconn): a
+        # connection that overflows it waits for the SYN retransmission, 1 s then 3 s.
+        self._listener.listen(max(LISTEN_BACKLOG, len(self.state.hosts)))
         self._listener.setblocking(False)
-        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._update_listening()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._probes, selectors.EVENT_READ, "probe")
         self._thread.start()
@@ -224,7 +239,7 @@ class Coordinator:
                 now = time.monotonic()
                 if self._accept_paused_until is not None and now >= self._accept_paused_until:
                     self._accept_paused_until = None
-                    self._sel.register(self._listener, selectors.EVENT_READ, None)
+                    self._update_listening()
                 if now >= next_check:
                     next_check = now + LIVENESS_CHECK_S
                     self._drop_silent(now)
@@ -244,20 +259,29 @@ class Coordinator:
             self._listener.close()
             self._probes.close()
 
+    def _update_listening(self) -> None:
+        """Watch the listener while a slot for an unauthenticated connection is free and no backoff runs."""
+        listen = len(self._preauth) < self._max_preauth and self._accept_paused_until is None
+        if listen == self._listening:
+            return
+        self._listening = listen
+        if listen:
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+        else:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(self._listener)
+
     def _accept(self) -> None:
-        while True:
+        while len(self._preauth) < self._max_preauth:
             try:
                 sock, _addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as e:
                 if e.errno in _ACCEPT_RESOURCE_ERRORS:
                     self._pause_accept()
-                return
+                break
             self._accept_backoff = ACCEPT_BACKOFF
-            if len(self._preauth) >= MAX_PREAUTH:
-                sock.close()  # strangers hold every slot: an agent sees no challenge and connects again
-                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock=sock, nonce=protocol.new_nonce(), since=time.monotonic())
@@ -267,6 +291,7 @@ class Coordinator:
             self._sel.register(sock, selectors.EVENT_READ, conn)
             challenge = messages.Challenge(conn.nonce, protocol.PROTOCOL_VERSION)
             self._write(conn, protocol.encode_plain(messages.encode(challenge)))
+        self._update_listening()
 
     def _pause_accept(self) -> None:
         """Out of descriptors (or memory): free the oldest stranger's and stop accepting for a while.
@@ -276,10 +301,9 @@ class Coordinator:
         oldest = next(iter(self._preauth.values()), None)
         if oldest is not None:
             self._drop(oldest, None)
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(self._listener)
         self._accept_paused_until = time.monotonic() + self._accept_backoff
         self._accept_backoff = min(MAX_ACCEPT_BACKOFF, 2 * self._accept_backoff)
+        self._update_listening()
 
     def _service(self, conn: _Conn, mask: int) -> None:
         if mask & selectors.EVENT_WRITE:
@@ -298,6 +322,7 @@ class Coordinator:
         conn.last_recv = time.monotonic()
         if conn.alive is not None:
             conn.alive.stream_heard(conn.last_recv)
+            self._by_last_recv.move_to_end(conn.sock.fileno())
         try:
             for payload in conn.buf.feed(data):
                 if conn.session is None:
@@ -325,6 +350,8 @@ class Coordinator:
         conn.session = session
         conn.buf.max_frame = protocol.MAX_FRAME
         self._preauth.pop(conn.sock.fileno(), None)
+        self._update_listening()
+        self._by_last_recv[conn.sock.fileno()] = conn
         conn.node_rank = hello.node_rank
         conn.alive = liveness.Liveness.starting(conn.last_recv, self._hb_timeout, self._probe_timeout)
         if hello.probe_port:
@@ -433,13 +460,22 @@ class Coordinator:
         print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
 
     def _drop_silent(self, now: float) -> None:
-        """Drop connections stuck in the handshake; probe suspected agents; drop the lost ones."""
-        for conn in list(self._conns.values()):
-            if conn.alive is None:
-                if conn.session is None and now - conn.since > HANDSHAKE_TIMEOUT:
-                    self._drop(conn, None)
-                continue
-            if not conn.alive.suspected(now):
+        """Drop connections stuck in the handshake; probe suspected agents; drop the lost ones.
+
+        Both tables are ordered oldest first (by arrival, by last frame), so only the connections past
+        their timeout and one more are read: a suspect's stream is silent longer than the timeout.
+        """
+        for conn in list(self._preauth.values()):
+            if now - conn.since <= HANDSHAKE_TIMEOUT:
+                break
+            self._drop(conn, None)
+        stream_silent = []
+        for conn in self._by_last_recv.values():
+            if now - conn.last_recv <= self._hb_timeout:
+                break
+            stream_silent.append(conn)
+        for conn in stream_silent:
+            if conn.alive is None or not conn.alive.suspected(now):
                 continue
             self._service(conn, selectors.EVENT_READ)  # frames that arrived while this loop was busy
             now = time.monotonic()
@@ -523,9 +559,11 @@ class Coordinator:
         except OSError:
             self._drop(conn, "connection reset")
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.modify(conn.sock, events, conn)
+        if conn.writing != bool(conn.out):
+            conn.writing = bool(conn.out)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.writing else 0)
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.modify(conn.sock, events, conn)
 
     def _reject(self, conn: _Conn, error: str, *, auth: bool = False) -> None:
         # Best effort and never blocking: a peer that does not read cannot stall this loop.
@@ -542,7 +580,9 @@ class Coordinator:
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         self._conns.pop(conn.sock.fileno(), None)
-        self._preauth.pop(conn.sock.fileno(), None)
+        self._by_last_recv.pop(conn.sock.fileno(), None)
+        if self._preauth.pop(conn.sock.fileno(), None) is not None:
+            self._update_listening()
         if conn.node_rank is not None and self._by_rank.get(conn.node_rank) is conn:
             del self._by_rank[conn.node_rank]
             if reason is not None:  # decided (and its events queued) before the peer sees the close

@@ -162,7 +162,9 @@ class JobState:
         self.members: dict[int, Member] = {}
         self.round = -1
         self.restart_count = 0
-        self.round_nodes: list[int] = []
+        #: ``round_nodes`` still members, kept up to date (not recomputed per message: O(N) each).
+        self._alive_nodes: set[int] = set()
+        self.round_nodes = []
         self.started: dict[int, float] = {}
         #: node rank -> (spawn, why cold) of its latest ``started`` report.
         self.spawns: dict[int, tuple[str, str]] = {}
@@ -213,6 +215,8 @@ class JobState:
     def join(self, node_rank: int, host: str, nproc: int) -> list[Action]:
         """An authenticated agent joined; starts the first round once every node is there."""
         self.members[node_rank] = Member(node_rank, host, int(nproc))
+        if node_rank in self.round_nodes:
+            self._alive_nodes.add(node_rank)
         return self._rendezvous_complete()
 
     def _rendezvous_complete(self) -> list[Action]:
@@ -262,6 +266,7 @@ class JobState:
         """An agent's connection closed or went ``silent``, or it left (a bad node, or stopped by a signal
         delivered at ``signalled_at``)."""
         member = self.members.pop(node_rank, None)
+        self._alive_nodes.discard(node_rank)
         if member is None or self.phase is Phase.FINISHED:
             return []
         if silent:
@@ -333,8 +338,19 @@ class JobState:
             offset += self.members[n].nproc
         return actions
 
+    @property
+    def round_nodes(self) -> list[int]:
+        """The nodes of the current round, in rank order."""
+        return self._round_nodes
+
+    @round_nodes.setter
+    def round_nodes(self, nodes: list[int]) -> None:
+        self._round_nodes = nodes
+        self._alive_nodes = {n for n in nodes if n in self.members}
+
     def _alive_round_nodes(self) -> set[int]:
-        return {n for n in self.round_nodes if n in self.members}
+        """The round's nodes that are still members (the state's own set: callers never change it)."""
+        return self._alive_nodes
 
     def started_workers(
         self, node_rank: int, round_: int, ts: float, spawn: str = "cold", spawn_reason: str = ""
@@ -344,7 +360,7 @@ class JobState:
             return []
         self.started[node_rank] = ts
         self.spawns[node_rank] = (spawn, spawn_reason)
-        if set(self.started) >= self._alive_round_nodes():
+        if self.started.keys() >= self._alive_round_nodes():
             world = sum(self.members[n].nproc for n in self._alive_round_nodes())
             spawned = max(self.started.values())
             how = {self.spawns[n][0] for n in self.started}
@@ -405,7 +421,7 @@ class JobState:
         if round_ != self.round or self.phase is not Phase.PREEMPTING or self.step_deadline is None:
             return []
         self.step_reports[node_rank] = (step, rate)
-        if set(self.step_reports) >= self._alive_round_nodes():
+        if self.step_reports.keys() >= self._alive_round_nodes():
             return self._fix_stop_step()
         return []
 

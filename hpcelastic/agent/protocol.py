@@ -56,13 +56,17 @@ def session_key(secret: str, server_nonce: str, client_nonce: str) -> bytes:
     return hmac.new(secret.encode(), material, hashlib.sha256).digest()
 
 
+#: One encoder for every frame: ``json.dumps`` with options builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+
 def _dumps(msg: dict[str, Any]) -> bytes:
-    return json.dumps(msg, separators=(",", ":"), default=str).encode()
+    return _ENCODER.encode(msg).encode()
 
 
 def _loads(body: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(body)
+        obj = json.loads(body.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"frame is not JSON: {e}") from None
     except RecursionError:  # a hello is parsed before its MAC can be checked: anyone may send [[[[...
@@ -102,7 +106,9 @@ class Session:
     """Authenticated framing of one connection once the key is known (one object per side)."""
 
     def __init__(self, key: bytes, *, is_server: bool) -> None:
+        #: The keyed HMAC state, copied per frame: keying a new HMAC costs more than the frame's hash.
         self._key = key
+        self._keyed = hmac.new(key, digestmod=hashlib.sha256)
         self._send_dir = b"S" if is_server else b"C"
         self._recv_dir = b"C" if is_server else b"S"
         self._send_seq = 0
@@ -113,7 +119,9 @@ class Session:
         return hmac.new(self._key, f"hpcelastic/{label}".encode(), hashlib.sha256).digest()
 
     def _mac(self, direction: bytes, seq: int, body: bytes) -> bytes:
-        return hmac.new(self._key, direction + _SEQ.pack(seq) + body, hashlib.sha256).digest()
+        mac = self._keyed.copy()
+        mac.update(direction + _SEQ.pack(seq) + body)
+        return mac.digest()
 
     def encode(self, msg: dict[str, Any]) -> bytes:
         """Frame ``msg`` with the next outgoing sequence number."""

@@ -319,6 +319,7 @@ class ReplicaJobState(JobState):
                 node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at, silent=silent
             )
         member = self.members.pop(node_rank)
+        self._alive_nodes.discard(node_rank)
         actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it

@@ -29,6 +29,11 @@ from hpcelastic.rundir import RunDir
 
 RESTART_KILL_GRACE = 3.0
 STALL_CHECK_INTERVAL = 0.5
+#: Agent heartbeats a second the coordinator is sized for: a job of more than 1,000 nodes heartbeats less
+#: often, so that the idle coordinator stays under 10 % of a core (each costs it a receive and a send,
+#: 11-13 us each on 2 cores: bench/control_plane_load.py); silence is suspected after 2.5 intervals.
+HEARTBEATS_PER_S = 2000.0
+SUSPECT_AFTER_INTERVALS = 2.5
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,34 @@ class Timing:
         return liveness.detection_bound(self.heartbeat_timeout, self.probe_timeout)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> Timing:
+    def from_environ(cls, environ: Mapping[str, str], nodes: int = 1) -> Timing:
+        """The variables' values, else the defaults for a job of ``nodes`` nodes (:meth:`for_nodes`)."""
+
         def number(name: str, default: float) -> float:
             try:
                 return float(environ.get(name, default))
             except ValueError:
                 raise UserError(f"{name}={environ[name]!r} is not a number") from None
 
+        interval = number("HPCELASTIC_HEARTBEAT_INTERVAL", cls.for_nodes(nodes).heartbeat_interval)
         return cls(
-            number("HPCELASTIC_HEARTBEAT_INTERVAL", cls.heartbeat_interval),
-            number("HPCELASTIC_HEARTBEAT_TIMEOUT", cls.heartbeat_timeout),
+            interval,
+            number("HPCELASTIC_HEARTBEAT_TIMEOUT", cls.suspect_after(interval)),
             number("HPCELASTIC_PROBE_TIMEOUT", cls.probe_timeout),
             number("HPCELASTIC_HEALTH_INTERVAL", cls.health_interval),
         )
+
+    @classmethod
+    def for_nodes(cls, nodes: int) -> Timing:
+        """The defaults for ``nodes`` agents: heartbeats every 0.5 s up to 1,000 nodes, then every
+        ``nodes / HEARTBEATS_PER_S`` s (8.2 s at 16,384), suspected after 2.5 intervals (at least 2 s)."""
+        interval = max(cls.heartbeat_interval, nodes / HEARTBEATS_PER_S)
+        return cls(interval, cls.suspect_after(interval))
+
+    @classmethod
+    def suspect_after(cls, interval: float) -> float:
+        """The default heartbeat timeout for heartbeats every ``interval`` seconds."""
+        return max(cls.heartbeat_timeout, SUSPECT_AFTER_INTERVALS * interval)
 
 
 class Wake:

@@ -19,6 +19,7 @@ from hpcelastic.agent import liveness, messages, protocol
 from hpcelastic.agent.client import CoordinatorClient
 from hpcelastic.agent.coordinator import Coordinator
 from hpcelastic.agent.job_state import JobState
+from hpcelastic.agent.runtime import HEARTBEATS_PER_S, Timing
 from hpcelastic.events import EventName
 from hpcelastic.rundir import RunDir
 
@@ -228,3 +229,13 @@ def test_agents_ping_each_other_with_the_jobs_key_and_strangers_get_no_answer(pl
         assert stranger.unreachable([(1, "127.0.0.1", b_port)]) == (1,), "a ping without the job's key"
     finally:
         stranger.close()
+
+
+def test_heartbeats_slow_down_above_a_thousand_nodes_unless_set() -> None:
+    small, large = Timing.from_environ({}, nodes=3), Timing.from_environ({}, nodes=16384)
+    assert (small.heartbeat_interval, small.heartbeat_timeout, small.detection_s) == (0.5, 2.0, 4.0)
+    assert 16384 / large.heartbeat_interval <= HEARTBEATS_PER_S, "the coordinator's heartbeat budget"
+    assert large.heartbeat_timeout >= 2 * large.heartbeat_interval
+    environ = {"HPCELASTIC_HEARTBEAT_INTERVAL": "0.5", "HPCELASTIC_PROBE_TIMEOUT": "0"}
+    fixed = Timing.from_environ(environ, nodes=16384)
+    assert (fixed.heartbeat_interval, fixed.heartbeat_timeout, fixed.detection_s) == (0.5, 2.0, 2.0)
