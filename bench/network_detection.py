@@ -62,8 +62,14 @@ CUT_S = 10.0
 #: The subject must have been joined in both modes this long before a trial.
 SETTLE_S = 3.0
 REJOIN_TIMEOUT = 180.0
+#: How long a trial waits for the old detection to hold the subject's connection before it goes on without.
+OLD_JOIN_TIMEOUT = 45.0
 #: A sleep of the stall watcher this much longer than asked: the machine starved its processes of CPU.
 STALL_S = 1.0
+#: Spurious losses of the new detection listed one by one per setting, at most.
+MAX_LISTED = 6
+#: How the coordinator's ``node_lost`` reason of a silent agent begins (coordinator._drop_silent).
+SILENCE_REASON = "no heartbeat"
 #: A spurious loss this long after a CPU stall (or a stall up to 1 s after it) is counted as starvation.
 STARVED_WINDOW = 6.0
 
@@ -136,14 +142,19 @@ def summarize_group(
     hours = SOAK_AGENTS * (end - start) / 3600
     soak_agents = list(range(SOAK_AGENTS))
     fences = [r for a in soak_agents for r in agents.get(a, [])]
-    out: dict[str, Any] = {"setting": group["setting"], "soak_s": end - start, "agent_hours": hours}
+    out: dict[str, Any] = {
+        "setting": group["setting"],
+        "soak_s": end - start,
+        "soak_from": time.strftime("%H:%M", time.gmtime(start)),
+        "agent_hours": hours,
+    }
     for mode in MODES:
         lost = [r for r in in_window(coordinator, "lost", soak_agents, start, end) if r["mode"] == mode]
         fenced = [r for r in in_window(fences, "fenced", soak_agents, start, end) if r["mode"] == mode]
         detect: dict[str, list[float]] = {"cut": [], "kill": []}
         fence: list[float] = []
-        #: Per cut trial: the agent fenced itself no later than the coordinator declared it lost.
-        fence_first: list[bool] = []
+        #: Per cut trial: when the agent fenced itself after the coordinator declared it lost (< 0: before).
+        fence_lag: list[float] = []
         missed: list[str] = []
         for trial in group["trials"]:
             t0 = float(trial["t0"])
@@ -156,11 +167,13 @@ def summarize_group(
                 fenced_at = first_at(agents.get(SUBJECT, []), "fenced", mode, SUBJECT, t0)
                 if fenced_at is not None and fenced_at <= t0 + CUT_S:
                     fence.append(fenced_at - t0)
-                    fence_first.append(fenced_at <= at)
+                    fence_lag.append(fenced_at - at)
         out[mode] = {
             "spurious_lost": len(lost),
             "spurious_fenced": len(fenced),
             "spurious_starved": sum(starved_at(float(r.get("at", r["t"])), stalls) for r in lost),
+            #: Lost by the coordinator's own detection (silence), not by the agent closing after its fence.
+            "spurious_silent": sum(str(r.get("reason", "")).startswith(SILENCE_REASON) for r in lost),
             "lost_per_hour": len(lost) / hours if hours else None,
             "spurious": [
                 {
@@ -174,7 +187,7 @@ def summarize_group(
             "cut_s": detect["cut"],
             "kill_s": detect["kill"],
             "fence_s": fence,
-            "fence_first": fence_first,
+            "fence_lag": fence_lag,
             "missed_trials": missed,
         }
     return out
@@ -194,22 +207,24 @@ def fmt_s(xs: Sequence[float]) -> str:
 def table(summaries: Sequence[Mapping[str, Any]]) -> str:
     """The markdown table: one row per setting and mode."""
     head = (
-        "| setting (every link) | detection | soak | spurious node_lost (after a CPU stall) | per hour "
+        "| setting (every link) | detection | soak | spurious node_lost | of which after a CPU stall "
+        "| of which by silence | per hour "
         "| spurious fences "
         "| cut link -> node_lost, s | dead agent -> node_lost, s | cut link -> agent fenced, s "
-        "| fenced before node_lost |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| fence - node_lost, max s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
         for mode in MODES:
             m = s[mode]
             per_hour = "n/a" if m["lost_per_hour"] is None else f"{m['lost_per_hour']:.1f}"
+            lag = f"{max(m['fence_lag']):+.2f}" if m["fence_lag"] else "n/a"
             rows.append(
                 f"| {s['setting']} | {mode} | {s['soak_s'] / 60:.0f} min x {SOAK_AGENTS} agents "
-                f"| {m['spurious_lost']} ({m['spurious_starved']}) | {per_hour} | {m['spurious_fenced']} "
-                f"| {fmt_s(m['cut_s'])} | {fmt_s(m['kill_s'])} | {fmt_s(m['fence_s'])} "
-                f"| {sum(m['fence_first'])}/{len(m['fence_first'])} |"
+                f"from {s['soak_from']} | {m['spurious_lost']} | {m['spurious_starved']} "
+                f"| {m['spurious_silent']} | {per_hour} | {m['spurious_fenced']} "
+                f"| {fmt_s(m['cut_s'])} | {fmt_s(m['kill_s'])} | {fmt_s(m['fence_s'])} | {lag} |"
             )
     return head + "\n".join(rows) + "\n"
 
@@ -218,7 +233,15 @@ def markdown(summaries: Sequence[Mapping[str, Any]], machine: str, timing: Timin
     bound = liveness.detection_bound(timing.heartbeat_timeout, timing.probe_timeout)
     notes = []
     for s in summaries:
-        for r in s["new"]["spurious"]:
+        spurious = s["new"]["spurious"]
+        if len(spurious) > MAX_LISTED:
+            starved = sum(r["starved"] for r in spurious)
+            notes.append(
+                f"- new detection, {s['setting']}: {len(spurious)} spurious node_lost and fences, "
+                f"{starved} of them after a CPU stall"
+            )
+            spurious = []
+        for r in spurious:
             when = time.strftime("%H:%M:%S", time.gmtime(r["at"]))
             what = (r["reason"] or "fenced") + (" (after a CPU stall)" if r["starved"] else "")
             notes.append(f"- new detection, {s['setting']}: agent {r['agent']} at {when} UTC: {what}")
@@ -235,17 +258,24 @@ def markdown(summaries: Sequence[Mapping[str, Any]], machine: str, timing: Timin
         "links), all settings at once.\n\n"
         f"Detection: **new** = heartbeat_timeout {timing.heartbeat_timeout:g} s, then UDP probes for "
         f"probe_timeout {timing.probe_timeout:g} s (bound {bound:g} s); **old** = the same code with "
-        f"probe_timeout 0 (lost after {timing.heartbeat_timeout:g} s of TCP silence, the behaviour "
-        f"before). Heartbeats every {timing.heartbeat_interval:g} s. Spurious: `node_lost` of a healthy "
-        f"agent during the soak (in brackets: those within {STARVED_WINDOW:g} s after a CPU stall: a "
-        f"0.1 s sleep of the bench overran by {STALL_S:g} s or more, "
-        "or a rank-0 client, on the same node as its coordinator, fenced itself: the shared machine, "
-        "not the link); fences: its client reporting the coordinator lost. Detection times: cut "
-        f"and kill trials (n in the table) on a fifth node of the group (cut for {CUT_S:g} s; time from "
-        "just before the `testbed.sh cut-link` call, or the SIGKILL of the agent process); median "
-        "(min-max, n). Fence bound: an agent's lease ends no later than the coordinator declares it "
-        "lost; its workers are gone `fence_delay(kill_grace)` = "
-        f"{liveness.PROBE_INTERVAL:g} + kill_grace + {liveness.FENCE_MARGIN:g} s after that.\n\n"
+        f"probe_timeout 0: the coordinator loses an agent after {timing.heartbeat_timeout:g} s without a "
+        "frame, as before; the agent's lease then also ends after that long without an echo of its "
+        "heartbeats (a round trip, where the agent before counted any frame from the coordinator), so "
+        "its fences overstate the old agent's on slow links. Heartbeats every "
+        f"{timing.heartbeat_interval:g} s.\n\n"
+        "Spurious node_lost: of the healthy agents during the soak; *after a CPU stall*: within "
+        f"{STARVED_WINDOW:g} s after a 0.1 s sleep of the bench overran by {STALL_S:g} s or more, or "
+        "after a rank-0 client (on the coordinator's own node, no link between them) fenced itself: "
+        "the shared machine, not the link; *by silence*: the coordinator's own detection (the others "
+        "are the agent closing its connection after its lease ended first). Spurious fences: the "
+        "agent's client reporting the coordinator lost. Detection times: cut and kill trials on a fifth "
+        f"node of the group (cut for {CUT_S:g} s; time from just before the `testbed.sh cut-link` "
+        "call, an upper bound, or from the SIGKILL of the agent process); median (min-max, n). "
+        "*fence - node_lost*: the latest an agent fenced itself relative to the coordinator's "
+        "`node_lost` (negative: before). Fence bound: the lease ends no later than the coordinator "
+        "declares the agent lost (one check interval aside); its workers are gone "
+        f"`fence_delay(kill_grace)` = {liveness.PROBE_INTERVAL:g} + kill_grace + "
+        f"{liveness.FENCE_MARGIN:g} s after that.\n\n"
         + table(summaries)
         + ("\n" + "\n".join(notes) + "\n" if notes else "")
     )
@@ -321,23 +351,27 @@ class Group:
         for agent in range(len(agent_nodes)):
             self.spawn_agent(agent)
 
-    def joined(self, agent: int, settled: float) -> bool:
-        """Joined in every mode at least ``settled`` s ago and not fenced or ended since."""
+    def joined(self, agent: int, settled: float, modes: Sequence[str]) -> bool:
+        """Joined in each of ``modes`` at least ``settled`` s ago and not fenced or ended since."""
         records = [r for r in read_jsonl(self.log_of(agent)) if r["t"] >= self.since.get(agent, 0.0)]
         now = time.time()
-        for mode in MODES:
+        for mode in modes:
             last = [r for r in records if r["mode"] == mode and r["kind"] in ("joined", "fenced", "ended")]
             if not last or last[-1]["kind"] != "joined" or now - last[-1]["t"] < settled:
                 return False
         return True
 
     def wait_joined(
-        self, agents: Iterable[int], settled: float = 0.0, timeout: float = REJOIN_TIMEOUT
+        self,
+        agents: Iterable[int],
+        settled: float = 0.0,
+        timeout: float = REJOIN_TIMEOUT,
+        modes: Sequence[str] = MODES,
     ) -> None:
         deadline = time.monotonic() + timeout
         pending = set(agents)
         while pending:
-            pending = {a for a in pending if not self.joined(a, settled)}
+            pending = {a for a in pending if not self.joined(a, settled, modes)}
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.setting.name}: agent(s) {sorted(pending)} not joined in {timeout:g} s"
@@ -383,11 +417,16 @@ class Group:
 def run_group(group: Group, soak_s: float, trials: int, results: dict[int, dict[str, Any]]) -> None:
     try:
         group.start()
-        group.wait_joined(range(SOAK_AGENTS + 1))
+        # The old detection may never hold a connection on a slow link (its lease needs an echo within
+        # heartbeat_timeout): the run goes on once the new one holds; old trials may then count as missed.
+        group.wait_joined(range(SOAK_AGENTS + 1), modes=("new",))
         start = time.time()
         for _ in range(trials):
             for trial in (group.cut_trial, group.kill_trial):
-                group.wait_joined([SUBJECT], settled=SETTLE_S)
+                try:
+                    group.wait_joined([SUBJECT], settled=SETTLE_S, timeout=OLD_JOIN_TIMEOUT)
+                except TimeoutError:
+                    group.wait_joined([SUBJECT], settled=SETTLE_S, modes=("new",))
                 trial()
         time.sleep(max(0.0, start + soak_s - time.time()))
         results[group.index] = {
@@ -436,6 +475,7 @@ def summarize(out: Path) -> list[dict[str, Any]]:
         coordinator = read_jsonl(out / f"g{index}-coordinator.jsonl")
         agents = {a: read_jsonl(out / f"g{index}-agent{a}.jsonl") for a in range(SOAK_AGENTS + 1)}
         summaries.append(summarize_group(group, coordinator, agents, stalls))
+    (out / "summary.json").write_text(json.dumps(summaries, indent=1))
     return summaries
 
 
@@ -448,14 +488,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="log directory (default: a new one under /tmp)")
     p.add_argument("--keep-up", action="store_true", help="leave the testbed instance up")
     p.add_argument(
-        "--summarize", type=Path, metavar="DIR", help="only print the table of an earlier run's logs"
+        "--summarize",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="only the table of earlier runs' logs (several: their rows one after the other)",
     )
     p.add_argument("--no-write", action="store_true", help="do not write bench/RESULTS.md")
     p.add_argument("--instance", default=INSTANCE, help="testbed instance name (one of its own)")
     p.add_argument("--index", type=int, default=INSTANCE_INDEX, help="its TESTBED_INDEX")
     args = p.parse_args()
     if args.summarize:
-        out = args.summarize
+        runs = args.summarize
     else:
         out = args.out or Path(f"/tmp/netdet-{time.strftime('%Y%m%d-%H%M%S')}")
         out.mkdir(parents=True, exist_ok=True)
@@ -485,9 +529,9 @@ def main() -> None:
             (out / "machine.txt").write_text(machine)
             if not args.keep_up:
                 tb.down()
-    summaries = summarize(out)
-    (out / "summary.json").write_text(json.dumps(summaries, indent=1))
-    text = markdown(summaries, (out / "machine.txt").read_text(), Timing.from_environ(os.environ))
+        runs = [out]
+    summaries = [s for run in runs for s in summarize(run)]
+    text = markdown(summaries, (runs[0] / "machine.txt").read_text(), Timing.from_environ(os.environ))
     print(text)
     if not args.no_write:
         update_section("network_detection", text)

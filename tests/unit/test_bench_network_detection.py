@@ -47,6 +47,7 @@ def test_spurious_losses_count_soak_agents_inside_the_soak_only_and_trials_time_
     assert s["old"]["cut_s"] == pytest.approx([2.0, 1.5]) and s["old"]["kill_s"] == pytest.approx([0.01])
     assert s["new"]["cut_s"] == pytest.approx([3.8]) and s["new"]["missed_trials"] == ["cut at 1300"]
     assert s["old"]["fence_s"] == pytest.approx([1.5]) and s["new"]["fence_s"] == pytest.approx([3.5])
-    assert s["old"]["fence_first"] == [True] and s["new"]["fence_first"] == [True]
+    assert s["old"]["fence_lag"] == pytest.approx([-0.5]) and s["new"]["fence_lag"] == pytest.approx([-0.3])
+    assert s["old"]["spurious_silent"] == 1, "its reason says the coordinator saw silence"
     text = table([s])
-    assert "| loss 5% | new |" in text and "3.80 (3.80-3.80, n=1)" in text
+    assert "| loss 5% | new |" in text and "3.80 (3.80-3.80, n=1)" in text and "| -0.30 |" in text
