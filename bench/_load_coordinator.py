@@ -52,7 +52,6 @@ def coordinator_main(
         run.read_secret(),
         state,
         run,
-        heartbeat_interval=hb_interval,
         heartbeat_timeout=hb_timeout,
     )
     coord.start()

@@ -240,7 +240,6 @@ def host_coordinator(
         rdzv.secret,
         state,
         rdzv.run_dir,
-        heartbeat_interval=timing.heartbeat_interval,
         heartbeat_timeout=timing.heartbeat_timeout,
         probe_timeout=timing.probe_timeout,
     )

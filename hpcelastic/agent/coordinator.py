@@ -4,10 +4,10 @@ One thread runs a ``selectors`` loop (epoll) over the listening socket and every
 so a thousand agents cost a thousand idle sockets and nothing else. Each connection is authenticated
 (see ``protocol.py``) before it may join. Events are pushed: every report from an agent is handed to
 :class:`~hpcelastic.agent.job_state.JobState`, and its decisions go out at once, one message per
-agent, so control traffic per event is O(nodes). Heartbeats both ways: an agent silent for
-``heartbeat_timeout`` is suspected and probed over UDP, and lost only when it answered no probe either
-for ``probe_timeout`` more (``liveness.py``; frames already received are read first); a closed connection
-is seen immediately. Each heartbeat to an agent echoes the latest one received from it: the agent's lease.
+agent, so control traffic per event is O(nodes). Each agent heartbeat is echoed at once (the agent's lease:
+``liveness.py``); an agent silent for ``heartbeat_timeout`` is suspected and probed over UDP, and lost only
+when it answered no probe either for ``probe_timeout`` more (frames already received are read first); a
+closed connection is seen immediately.
 
 Strangers cost little: at most :data:`MAX_PREAUTH` unauthenticated connections, or one per node of a
 larger job (what its own agents need at once anyway), frames of at most
@@ -84,8 +84,6 @@ class _Conn:
     probes_out: int = 0
     probe_answered: int = 0
     probe_from_counter: int = 0
-    #: The ``sent`` time of the latest heartbeat received from the agent (echoed back: its lease).
-    heartbeat_sent: float | None = None
     #: Whether the selector watches this connection for writability (changed only when that changes).
     writing: bool = False
 
@@ -143,7 +141,6 @@ class Coordinator:
         state: JobState,
         run_dir: RunDir,
         *,
-        heartbeat_interval: float = 0.5,
         heartbeat_timeout: float = 2.0,
         probe_timeout: float = 2.0,
     ) -> None:
@@ -153,7 +150,6 @@ class Coordinator:
         self.events = EventWriter(run_dir)
         self._listener = listener
         self._secret = secret
-        self._hb_interval = heartbeat_interval
         self._hb_timeout = heartbeat_timeout
         self._probe_timeout = probe_timeout
         #: Liveness probes (``liveness.py``), on the listener's address.
@@ -223,7 +219,7 @@ class Coordinator:
 
     # ---- loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        next_hb = next_check = time.monotonic()
+        next_check = time.monotonic()
         try:
             while not self._stop.is_set():
                 wait = min(TICK, max(0.0, next_check - time.monotonic()))
@@ -243,9 +239,6 @@ class Coordinator:
                 if now >= next_check:
                     next_check = now + LIVENESS_CHECK_S
                     self._drop_silent(now)
-                if now >= next_hb:
-                    next_hb = now + self._hb_interval
-                    self._heartbeats()
                 self._apply(self.state.tick())
         except Exception:
             # A bug: say so once; the agents see their connections close and end as coordinator_lost.
@@ -368,8 +361,8 @@ class Coordinator:
             messages.dispatch(self._handlers, msg, conn)
 
     def _on_heartbeat(self, msg: messages.Heartbeat, conn: _Conn) -> None:
-        if msg.sent is not None:
-            conn.heartbeat_sent = msg.sent
+        """Echo it at once: the agent's lease runs from the send time of its latest heartbeat echoed."""
+        self._send(conn, messages.Heartbeat(echo=msg.sent))
 
     def _on_started(self, msg: messages.Started, conn: _Conn) -> None:
         self._apply(self.state.started_workers(_rank(conn), msg.round, msg.ts, msg.spawn, msg.spawn_reason))
@@ -533,11 +526,6 @@ class Coordinator:
                 )
                 with contextlib.suppress(OSError):
                     self._probes.sendto(liveness.encode(answer, conn.probe_key), addr)
-
-    def _heartbeats(self) -> None:
-        for conn in list(self._conns.values()):
-            if conn.session is not None and not conn.closing:
-                self._send(conn, messages.Heartbeat(echo=conn.heartbeat_sent))
 
     def _send(self, conn: _Conn, msg: messages.Message) -> None:
         assert conn.session is not None

@@ -19,7 +19,7 @@ key (:func:`probe_key`), so only the two ends of that connection can make one; c
 replayed probe proves nothing.
 
 The agent's lease (fencing): an agent counts only what proves the coordinator *heard it* (the coordinator
-echoes the send time of the agent's latest heartbeat; it answers the agent's probes while the agent is a
+echoes each agent heartbeat at once with its send time; it answers the agent's probes while the agent is a
 member) and stops its workers when that is ``timeout + probe_timeout`` old. The coordinator heard that
 heartbeat or probe no earlier than it was sent, so the agent's lease ends no later than the coordinator
 declares it lost: :func:`fence_delay` later its workers are gone.
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from hpcelastic.agent.protocol import AuthError, ProtocolError, Session
 
-#: Seconds between probes while a peer is suspected.
-PROBE_INTERVAL = 0.25
+#: Seconds between probes while a peer is suspected (a link back is heard within this of resolving ARP).
+PROBE_INTERVAL = 0.1
 #: A connection whose stream stays silent this long is lost even while its probes are answered.
 MAX_STREAM_SILENCE = 30.0
 #: Added to a fence for the agent's reaction and the kill taking effect.

@@ -29,8 +29,8 @@ from hpcelastic.rundir import RunDir
 
 RESTART_KILL_GRACE = 3.0
 STALL_CHECK_INTERVAL = 0.5
-#: Agent heartbeats a second the coordinator is sized for: a job of more than 1,000 nodes heartbeats less
-#: often, so that the idle coordinator stays under 10 % of a core (each costs it a receive and a send,
+#: Agent heartbeats a second the coordinator is sized for: a job of more than 500 nodes heartbeats less
+#: often, so that the idle coordinator stays under 10 % of a core (each costs it a receive and an echo,
 #: 11-13 us each on 2 cores: bench/control_plane_load.py); silence is suspected after 2.5 intervals.
 HEARTBEATS_PER_S = 2000.0
 SUSPECT_AFTER_INTERVALS = 2.5
@@ -41,11 +41,13 @@ class Timing:
     """Control-plane heartbeats, failure detection (``liveness.py``) and the GPU health check period
     (``HPCELASTIC_*`` variables)."""
 
-    heartbeat_interval: float = 0.5
+    heartbeat_interval: float = 0.25
     #: Silence on the control connection after which a peer is suspected and probed.
     heartbeat_timeout: float = 2.0
-    #: Probing with no answer for this long after that: the peer is lost.
-    probe_timeout: float = 2.0
+    #: Probing with no answer for this long after that: the peer is lost. 4.75 s in all: a link cut for
+    #: good is acted on within 5 s, and one back after 3 s (plus up to 1 s for ARP to resolve again, one
+    #: heartbeat interval of lag) is heard again in time.
+    probe_timeout: float = 2.75
     health_interval: float = 30.0
 
     @property
@@ -73,7 +75,7 @@ class Timing:
 
     @classmethod
     def for_nodes(cls, nodes: int) -> Timing:
-        """The defaults for ``nodes`` agents: heartbeats every 0.5 s up to 1,000 nodes, then every
+        """The defaults for ``nodes`` agents: heartbeats every 0.25 s up to 500 nodes, then every
         ``nodes / HEARTBEATS_PER_S`` s (8.2 s at 16,384), suspected after 2.5 intervals (at least 2 s)."""
         interval = max(cls.heartbeat_interval, nodes / HEARTBEATS_PER_S)
         return cls(interval, cls.suspect_after(interval))

@@ -1,7 +1,8 @@
 """A whole node frozen (SIGSTOP of its agent and every worker) is named as the root cause; the job goes on.
 
 Real `hpcelastic run` agents (no Slurm), real gloo: the coordinator stops hearing node 1's agent, declares the
-node lost within the detection bound (2 s of silence, 2 s of unanswered probes), names it in ``root_cause`` and restarts on the surviving node.
+node lost within the detection bound (silence, then unanswered probes), names it in ``root_cause`` and
+restarts on the surviving node.
 """
 
 from __future__ import annotations

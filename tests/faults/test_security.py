@@ -205,19 +205,21 @@ def test_authenticated_frame_replayed_without_a_handshake_is_rejected(plane: Pla
 
 
 def test_server_frame_reflected_back_on_its_connection_is_rejected(plane: Plane) -> None:
-    """The coordinator's frame number 2 to node 1, sent back as node 1's frame number 2.
+    """The coordinator's frame number 1 to node 0, sent back as node 0's frame number 1.
 
     Sequence number and session key are right; only the direction differs, and that is enough.
     """
-    tap, session = plane.taps[1], plane.sessions[1]
-    for _seq in (1, 2):  # heartbeats, one every 0.5 s, after the welcome (0); decode checks the MAC
-        frame = protocol.recv_payload(tap)
-        assert session.decode(frame)["t"] == "hb"
-    assert len(tap.sent) == 2  # node 1 sent frames 0 (hello) and 1 (event): 2 comes next
+    tap, session = plane.taps[0], plane.sessions[0]
+    assert len(tap.sent) == 1  # node 0 sent frame 0 (hello): 1 comes next
+    third = Tap(plane.connect())  # node 2 joins with the secret: the round starts, node 0 gets frame 1
+    protocol.client_handshake(third, SECRET, {"node_rank": 2, "host": HOSTS[2], "nproc": 1})
+    frame = protocol.recv_payload(tap)
+    assert session.decode(frame)["t"] == "round"  # decode checks the MAC
     tap.sendall(struct.pack("!I", len(frame)) + frame)
     assert rejection(tap.sock)["auth"] is True
     assert len(plane.events("signal_received")) == 1
-    assert plane.state()["phase"] == "rendezvous" and plane.state()["round"] == -1
+    wait_for("node 0 dropped", lambda: 0 not in plane.state()["members"])
+    third.sock.close()
 
 
 def test_frame_replayed_on_the_same_connection_is_rejected(plane: Plane) -> None:

@@ -48,7 +48,6 @@ class Plane:
             SECRET,
             state,
             rd,
-            heartbeat_interval=HB_INTERVAL,
             heartbeat_timeout=HB_TIMEOUT,
         )
         self.coordinator.events.retry_delay = 0.05
