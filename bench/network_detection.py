@@ -160,7 +160,7 @@ def summarize_group(
             t0 = float(trial["t0"])
             at = first_at(coordinator, "lost", mode, SUBJECT, t0)
             if at is None or at > t0 + CUT_S:
-                missed.append(f"{trial['kind']} at {t0:.0f}")
+                missed.append(f"{mode} {trial['kind']} at {time.strftime('%H:%M:%S', time.gmtime(t0))}")
                 continue
             detect[trial["kind"]].append(at - t0)
             if trial["kind"] == "cut":

@@ -45,7 +45,7 @@ def test_spurious_losses_count_soak_agents_inside_the_soak_only_and_trials_time_
     assert s["old"]["spurious_starved"] == 1, "the loss 1 s after a CPU stall is the machine's"
     assert [r["starved"] for r in s["new"]["spurious"]] == [False], "the fence at 1600 follows no stall"
     assert s["old"]["cut_s"] == pytest.approx([2.0, 1.5]) and s["old"]["kill_s"] == pytest.approx([0.01])
-    assert s["new"]["cut_s"] == pytest.approx([3.8]) and s["new"]["missed_trials"] == ["cut at 1300"]
+    assert s["new"]["cut_s"] == pytest.approx([3.8]) and s["new"]["missed_trials"] == ["new cut at 00:21:40"]
     assert s["old"]["fence_s"] == pytest.approx([1.5]) and s["new"]["fence_s"] == pytest.approx([3.5])
     assert s["old"]["fence_lag"] == pytest.approx([-0.5]) and s["new"]["fence_lag"] == pytest.approx([-0.3])
     assert s["old"]["spurious_silent"] == 1, "its reason says the coordinator saw silence"
