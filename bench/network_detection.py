@@ -7,8 +7,9 @@ runs: each group of nodes gets a coordinator node and four agent nodes, ``bench/
 real ``Coordinator`` there (one per agent and mode, each with a ``JobState`` whose round never ends) and a
 real ``CoordinatorClient`` per mode on each agent node. The modes:
 
-* new: the shipped detection (``runtime.Timing``: heartbeat_timeout 2 s, then UDP probes for probe_timeout
-  2 s; ``HPCELASTIC_HEARTBEAT_TIMEOUT``/``HPCELASTIC_PROBE_TIMEOUT`` change them);
+* new: the shipped detection (``runtime.Timing``: heartbeat_timeout, then UDP probes for probe_timeout;
+  ``HPCELASTIC_HEARTBEAT_TIMEOUT``/``HPCELASTIC_PROBE_TIMEOUT`` change them; a run keeps them in
+  timing.json);
 * old: the same with ``probe_timeout`` 0, i.e. lost after heartbeat_timeout of TCP silence, as before.
 
 Each group's setting (``testbed.sh netem``) is on every link of the group, the coordinator's too, so a
@@ -26,6 +27,7 @@ or the kill.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -221,7 +223,8 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
             per_hour = "n/a" if m["lost_per_hour"] is None else f"{m['lost_per_hour']:.1f}"
             lag = f"{max(m['fence_lag']):+.2f}" if m["fence_lag"] else "n/a"
             rows.append(
-                f"| {s['setting']} | {mode} | {s['soak_s'] / 60:.0f} min x {SOAK_AGENTS} agents "
+                f"| {s['setting']} | {mode_label(mode, s['timing'])} "
+                f"| {s['soak_s'] / 60:.0f} min x {SOAK_AGENTS} agents "
                 f"from {s['soak_from']} | {m['spurious_lost']} | {m['spurious_starved']} "
                 f"| {m['spurious_silent']} | {per_hour} | {m['spurious_fenced']} "
                 f"| {fmt_s(m['cut_s'])} | {fmt_s(m['kill_s'])} | {fmt_s(m['fence_s'])} | {lag} |"
@@ -229,10 +232,16 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def markdown(summaries: Sequence[Mapping[str, Any]], machine: str, timing: Timing) -> str:
-    bound = liveness.detection_bound(timing.heartbeat_timeout, timing.probe_timeout)
+def mode_label(mode: str, timing: Mapping[str, float]) -> str:
+    """``new (2+2 s, hb 0.5 s)``: the mode, heartbeat_timeout + probe_timeout, heartbeat interval."""
+    probe = 0.0 if mode == "old" else timing["probe_timeout"]
+    return f"{mode} ({timing['heartbeat_timeout']:g}+{probe:g} s, hb {timing['heartbeat_interval']:g} s)"
+
+
+def markdown(summaries: Sequence[Mapping[str, Any]], machine: str) -> str:
     notes = []
     for s in summaries:
+        notes += [f"- {s['setting']}: {line}" for line in s.get("notes", [])]
         spurious = s["new"]["spurious"]
         if len(spurious) > MAX_LISTED:
             starved = sum(r["starved"] for r in spurious)
@@ -256,13 +265,13 @@ def markdown(summaries: Sequence[Mapping[str, Any]], machine: str, timing: Timin
         "never ends) on a coordinator node, a real `CoordinatorClient` per mode on each agent node; each "
         "setting on every link of its group (the coordinator's too: a packet crosses two impaired "
         "links), all settings at once.\n\n"
-        f"Detection: **new** = heartbeat_timeout {timing.heartbeat_timeout:g} s, then UDP probes for "
-        f"probe_timeout {timing.probe_timeout:g} s (bound {bound:g} s); **old** = the same code with "
-        f"probe_timeout 0: the coordinator loses an agent after {timing.heartbeat_timeout:g} s without a "
-        "frame, as before; the agent's lease then also ends after that long without an echo of its "
-        "heartbeats (a round trip, where the agent before counted any frame from the coordinator), so "
-        "its fences overstate the old agent's on slow links. Heartbeats every "
-        f"{timing.heartbeat_interval:g} s.\n\n"
+        "Detection (the column gives heartbeat_timeout + probe_timeout and the heartbeat interval): "
+        "**new** = silence for heartbeat_timeout makes a peer suspected, then UDP probes; lost after "
+        "probe_timeout more with no answer; **old** = the same code with probe_timeout 0: the "
+        "coordinator loses an agent after heartbeat_timeout without a frame, as before; the agent's "
+        "lease then also ends after that long without an echo of its heartbeats (a round trip, where "
+        "the agent before counted any frame from the coordinator), so its fences overstate the old "
+        "agent's on slow links.\n\n"
         "Spurious node_lost: of the healthy agents during the soak; *after a CPU stall*: within "
         f"{STARVED_WINDOW:g} s after a 0.1 s sleep of the bench overran by {STALL_S:g} s or more, or "
         "after a rank-0 client (on the coordinator's own node, no link between them) fenced itself: "
@@ -475,6 +484,12 @@ def summarize(out: Path) -> list[dict[str, Any]]:
         coordinator = read_jsonl(out / f"g{index}-coordinator.jsonl")
         agents = {a: read_jsonl(out / f"g{index}-agent{a}.jsonl") for a in range(SOAK_AGENTS + 1)}
         summaries.append(summarize_group(group, coordinator, agents, stalls))
+    timing = json.loads((out / "timing.json").read_text())
+    notes = out / "notes.txt"
+    for summary in summaries:
+        summary["timing"] = timing
+    if summaries and notes.exists():
+        summaries[-1]["notes"] = notes.read_text().strip().splitlines()
     (out / "summary.json").write_text(json.dumps(summaries, indent=1))
     return summaries
 
@@ -527,11 +542,13 @@ def main() -> None:
             stop_watch.set()
             (out / "groups.json").write_text(json.dumps(results, indent=1))
             (out / "machine.txt").write_text(machine)
+            timing = Timing.from_environ(os.environ)  # what the node processes ran with
+            (out / "timing.json").write_text(json.dumps(dataclasses.asdict(timing)))
             if not args.keep_up:
                 tb.down()
         runs = [out]
     summaries = [s for run in runs for s in summarize(run)]
-    text = markdown(summaries, (runs[0] / "machine.txt").read_text(), Timing.from_environ(os.environ))
+    text = markdown(summaries, (runs[0] / "machine.txt").read_text())
     print(text)
     if not args.no_write:
         update_section("network_detection", text)

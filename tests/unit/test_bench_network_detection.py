@@ -49,5 +49,10 @@ def test_spurious_losses_count_soak_agents_inside_the_soak_only_and_trials_time_
     assert s["old"]["fence_s"] == pytest.approx([1.5]) and s["new"]["fence_s"] == pytest.approx([3.5])
     assert s["old"]["fence_lag"] == pytest.approx([-0.5]) and s["new"]["fence_lag"] == pytest.approx([-0.3])
     assert s["old"]["spurious_silent"] == 1, "its reason says the coordinator saw silence"
+    s["timing"] = {"heartbeat_interval": 0.5, "heartbeat_timeout": 2.0, "probe_timeout": 2.0}
     text = table([s])
-    assert "| loss 5% | new |" in text and "3.80 (3.80-3.80, n=1)" in text and "| -0.30 |" in text
+    assert (
+        "| loss 5% | new (2+2 s, hb 0.5 s) |" in text
+        and "3.80 (3.80-3.80, n=1)" in text
+        and "| -0.30 |" in text
+    )
