@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -73,18 +74,22 @@ class Log:
 
 
 def timing_args(timing: Timing) -> dict[str, float]:
-    """The keyword arguments of ``Coordinator`` and ``CoordinatorClient`` that ``timing`` sets."""
-    return {
-        "heartbeat_interval": timing.heartbeat_interval,
-        "heartbeat_timeout": timing.heartbeat_timeout,
-        "probe_timeout": timing.probe_timeout,
-    }
+    """The keyword arguments of ``Coordinator`` that ``timing`` sets (the client takes the heartbeat
+    interval too; the coordinator echoes each heartbeat as it arrives)."""
+    return {"heartbeat_timeout": timing.heartbeat_timeout, "probe_timeout": timing.probe_timeout}
 
 
 def client(
     addr: str, port: int, timing: Timing, inbox: queue.SimpleQueue[messages.Message]
 ) -> CoordinatorClient:
-    return CoordinatorClient(addr, port, SECRET, on_message=inbox.put, **timing_args(timing))
+    return CoordinatorClient(
+        addr,
+        port,
+        SECRET,
+        on_message=inbox.put,
+        heartbeat_interval=timing.heartbeat_interval,
+        **timing_args(timing),
+    )
 
 
 def next_message(
@@ -168,6 +173,16 @@ def run_agent(addr: str, host: str, agent: int, mode: str, log: Log, stop: threa
         stop.wait(0.5)
 
 
+def fail_fast(target: Any, args: tuple[Any, ...]) -> None:
+    """Run ``target``; if it raises, the whole process ends (exit 1) so the bench sees it at once."""
+    try:
+        target(*args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("role", choices=("coordinator", "agent"))
@@ -188,10 +203,10 @@ def main() -> None:
             for agent, host in enumerate(args.agents):
                 target: Any = serve_pair
                 targs: tuple[Any, ...] = (args.addr, (args.host, host), agent, mode, args.runs, log, stop)
-                threads.append(threading.Thread(target=target, args=targs, daemon=True))
+                threads.append(threading.Thread(target=fail_fast, args=(target, targs), daemon=True))
         else:
             targs = (args.addr, args.host, int(args.agents[0]), mode, log, stop)
-            threads.append(threading.Thread(target=run_agent, args=targs, daemon=True))
+            threads.append(threading.Thread(target=fail_fast, args=(run_agent, targs), daemon=True))
     for t in threads:
         t.start()
     while not stop.wait(1.0):

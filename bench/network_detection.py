@@ -380,6 +380,9 @@ class Group:
         deadline = time.monotonic() + timeout
         pending = set(agents)
         while pending:
+            dead = {node: p.returncode for node, p in self.procs.items() if p.poll() not in (None, -9)}
+            if dead:
+                raise RuntimeError(f"{self.setting.name}: node process(es) ended: {dead} (see NODE.err)")
             pending = {a for a in pending if not self.joined(a, settled, modes)}
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(
