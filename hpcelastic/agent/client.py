@@ -217,11 +217,15 @@ class CoordinatorClient:
         while not self._closed.is_set():
             now = time.monotonic()
             if self.lease.lost(now):
-                silent = self.lease.silent_for(now)
-                self._lost(
-                    f"the coordinator has not confirmed hearing this agent for {silent:.1f} s "
-                    "(no heartbeat echoed, no probe answered)"
-                )
+                if self.lease.stream_broken(now):
+                    quiet = now - self.lease.last_stream
+                    self._lost(f"no echo from the coordinator for {quiet:.1f} s, only probe answers: broken")
+                else:
+                    silent = self.lease.silent_for(now)
+                    self._lost(
+                        f"the coordinator has not confirmed hearing this agent for {silent:.1f} s "
+                        "(no heartbeat echoed, no probe answered)"
+                    )
                 return
             if self.lease.probe_due(now):
                 self._send_probe(now)

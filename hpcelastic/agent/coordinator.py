@@ -474,7 +474,10 @@ class Coordinator:
             now = time.monotonic()
             if conn.closing or not conn.alive.suspected(now):
                 continue
-            if conn.alive.lost(now):
+            if conn.alive.stream_broken(now):
+                why = f"no frame for {now - conn.last_recv:.1f} s, only probe answers (connection broken)"
+                self._drop(conn, why, silent=True)
+            elif conn.alive.lost(now):
                 why = (
                     f"no heartbeat for {now - conn.last_recv:.1f} s and no answer to probes in the last "
                     f"{self._probe_timeout:g} s (node hung or unreachable)"

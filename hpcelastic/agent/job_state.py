@@ -630,8 +630,9 @@ class JobState:
         return out
 
     def _suspect_self_text(self) -> str:
+        others = sum(1 for host, _ in self.vanished if host != self.hosts[0])
         return (
-            f"{len(self.vanished)} of the {len(self.hosts) - 1} other nodes went silent at once: this node's "
+            f"{others} of the {len(self.hosts) - 1} other nodes went silent at once: this node's "
             "own network is the likelier cause, so none of them is excluded next time"
         )
 

@@ -143,6 +143,10 @@ class Liveness:
             MAX_STREAM_SILENCE, self.timeout + self.probe_timeout
         )
 
+    def stream_broken(self, now: float) -> bool:
+        """Lost because the stream stayed silent past its cap although probes were answered."""
+        return self.lost(now) and self.silent_for(now) <= self.timeout + self.probe_timeout
+
     def probe_due(self, now: float) -> bool:
         """Suspected and a probe is due now (then the next one is :data:`PROBE_INTERVAL` later)."""
         if not self.suspected(now) or now < self.next_probe:

@@ -238,3 +238,11 @@ def test_heartbeats_slow_down_above_a_thousand_nodes_unless_set() -> None:
     environ = {"HPCELASTIC_HEARTBEAT_INTERVAL": "0.5", "HPCELASTIC_PROBE_TIMEOUT": "0"}
     fixed = Timing.from_environ(environ, nodes=16384)
     assert (fixed.heartbeat_interval, fixed.heartbeat_timeout, fixed.detection_s) == (0.5, 2.0, 2.0)
+
+
+def test_a_stream_silent_past_its_cap_is_told_apart_from_silence_on_both_paths() -> None:
+    alive = liveness.Liveness.starting(0.0, timeout=2.0, probe_timeout=2.75)
+    assert alive.lost(5.0) and not alive.stream_broken(5.0)
+    cap = liveness.MAX_STREAM_SILENCE
+    alive.heard(cap)
+    assert alive.lost(cap + 0.5) and alive.stream_broken(cap + 0.5)
