@@ -52,9 +52,9 @@ class CoordinatorClient:
         secret: str,
         *,
         on_message: Callable[[messages.Message], None],
-        heartbeat_interval: float = 0.5,
-        heartbeat_timeout: float = 2.0,
-        probe_timeout: float = 2.0,
+        heartbeat_interval: float = liveness.HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
+        probe_timeout: float = liveness.PROBE_TIMEOUT,
     ) -> None:
         self.host, self.port = host, port
         self._secret = secret

@@ -141,8 +141,8 @@ class Coordinator:
         state: JobState,
         run_dir: RunDir,
         *,
-        heartbeat_timeout: float = 2.0,
-        probe_timeout: float = 2.0,
+        heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
+        probe_timeout: float = liveness.PROBE_TIMEOUT,
     ) -> None:
         self.state = state
         self.run_dir = run_dir

@@ -34,6 +34,13 @@ from dataclasses import dataclass
 
 from hpcelastic.agent.protocol import AuthError, ProtocolError, Session
 
+#: The defaults (``runtime.Timing`` and the client and coordinator take them from here): heartbeats every
+#: 0.25 s; silence for 2 s makes a peer suspected; probing with no answer for 2.75 s more loses it. 4.75 s in
+#: all: a link cut for good is acted on within 5 s, and one back after 3 s (plus up to 1 s for ARP to resolve
+#: again, one heartbeat interval of lag) is heard again in time.
+HEARTBEAT_INTERVAL = 0.25
+HEARTBEAT_TIMEOUT = 2.0
+PROBE_TIMEOUT = 2.75
 #: Seconds between probes while a peer is suspected (a link back is heard within this of resolving ARP).
 PROBE_INTERVAL = 0.1
 #: A connection whose stream stays silent this long is lost even while its probes are answered.

@@ -41,13 +41,11 @@ class Timing:
     """Control-plane heartbeats, failure detection (``liveness.py``) and the GPU health check period
     (``HPCELASTIC_*`` variables)."""
 
-    heartbeat_interval: float = 0.25
+    heartbeat_interval: float = liveness.HEARTBEAT_INTERVAL
     #: Silence on the control connection after which a peer is suspected and probed.
-    heartbeat_timeout: float = 2.0
-    #: Probing with no answer for this long after that: the peer is lost. 4.75 s in all: a link cut for
-    #: good is acted on within 5 s, and one back after 3 s (plus up to 1 s for ARP to resolve again, one
-    #: heartbeat interval of lag) is heard again in time.
-    probe_timeout: float = 2.75
+    heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT
+    #: Probing with no answer for this long after that: the peer is lost.
+    probe_timeout: float = liveness.PROBE_TIMEOUT
     health_interval: float = 30.0
 
     @property
