@@ -31,24 +31,25 @@ HOSTS = ("n0", "n1")
 HB_INTERVAL, HB_TIMEOUT = 0.2, 1.0
 
 
+def loopback_coordinator(rd: RunDir, *, min_nodes: int, max_restarts: int, **timing: float) -> Coordinator:
+    """A coordinator for ``HOSTS`` on a loopback port (not started), ``timing`` its heartbeat settings."""
+    state = JobState(
+        hosts=HOSTS,
+        min_nodes=min_nodes,
+        max_restarts=max_restarts,
+        master_addr="127.0.0.1",
+        new_port=lambda: 29500,
+        rdzv_timeout=20,
+    )
+    return Coordinator(socket.create_server(("127.0.0.1", 0)), SECRET, state, rd, **timing)
+
+
 class Plane:
     """A coordinator on loopback and one connected client per host."""
 
     def __init__(self, rd: RunDir) -> None:
-        state = JobState(
-            hosts=HOSTS,
-            min_nodes=len(HOSTS),
-            max_restarts=0,
-            master_addr="127.0.0.1",
-            new_port=lambda: 29500,
-            rdzv_timeout=20,
-        )
-        self.coordinator = Coordinator(
-            socket.create_server(("127.0.0.1", 0)),
-            SECRET,
-            state,
-            rd,
-            heartbeat_timeout=HB_TIMEOUT,
+        self.coordinator = loopback_coordinator(
+            rd, min_nodes=len(HOSTS), max_restarts=0, heartbeat_timeout=HB_TIMEOUT
         )
         self.coordinator.events.retry_delay = 0.05
         self.coordinator.start()

@@ -17,14 +17,11 @@ import pytest
 
 from hpcelastic.agent import liveness, messages, protocol
 from hpcelastic.agent.client import CoordinatorClient
-from hpcelastic.agent.coordinator import Coordinator
-from hpcelastic.agent.job_state import JobState
 from hpcelastic.agent.runtime import HEARTBEATS_PER_S, Timing
 from hpcelastic.events import EventName
 from hpcelastic.rundir import RunDir
+from tests.unit.test_coordinator_io import HOSTS, SECRET, loopback_coordinator
 
-SECRET = "s" * 64
-HOSTS = ("n0", "n1")
 HB_INTERVAL, HB_TIMEOUT, PROBE_TIMEOUT = 0.2, 1.0, 1.0
 
 
@@ -124,21 +121,8 @@ class Plane:
     """A coordinator; agent 0 connects directly, agent 1 through a :class:`StallingProxy`."""
 
     def __init__(self, rd: RunDir) -> None:
-        state = JobState(
-            hosts=HOSTS,
-            min_nodes=1,
-            max_restarts=5,
-            master_addr="127.0.0.1",
-            new_port=lambda: 29500,
-            rdzv_timeout=20,
-        )
-        self.coordinator = Coordinator(
-            socket.create_server(("127.0.0.1", 0)),
-            SECRET,
-            state,
-            rd,
-            heartbeat_timeout=HB_TIMEOUT,
-            probe_timeout=PROBE_TIMEOUT,
+        self.coordinator = loopback_coordinator(
+            rd, min_nodes=1, max_restarts=5, heartbeat_timeout=HB_TIMEOUT, probe_timeout=PROBE_TIMEOUT
         )
         self.coordinator.start()
         self.proxy = StallingProxy(("127.0.0.1", self.coordinator.port))
