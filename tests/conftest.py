@@ -34,16 +34,49 @@ def slurm_jobs(slurm_cluster: dict[str, object]) -> Iterator[list[str]]:
         subprocess.run(["scancel", *jobs], capture_output=True, check=False)
 
 
+DEFAULT_GROUP = "testbed-default"
+"""The parallel runner's group (pytest-xdist ``--dist loadgroup``) of every test on the default instance."""
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The test's group as pytest-xdist names it: its ``xdist_group`` marks joined, or empty."""
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for a parallel run (``-n N --dist loadgroup``).
+
+    A test marked ``slurm`` without a group of its own (an own-instance module names its instance with
+    ``pytest.mark.xdist_group``) runs on the default instance: all those share one group, run in turn by one
+    worker. Any other module is a group of its own, so its module fixtures run once. The default group goes
+    first: it is the longest, and a worker starts it at once.
+    """
+    for item in items:
+        if xdist_group(item):
+            continue
+        name = DEFAULT_GROUP if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(name=name))
+    items.sort(key=lambda item: xdist_group(item) != DEFAULT_GROUP)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_gres(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After every Slurm test: no node of a running testbed instance holds GRES of a job that ended
-    (``tests.slurm_utils.leaked_gres``; nodes that leaked before the test began are not its doing)."""
+    """After every Slurm test: no node of the instances it uses (the default one, or those it holds through
+    ``tests.testbed.own_instance``) holds GRES of a job that ended (``tests.slurm_utils.leaked_gres``; nodes
+    that leaked before the test began are not its doing). Other instances may be busy with a parallel
+    worker's tests."""
     if request.node.get_closest_marker("slurm") is None:
         yield
         return
     from tests.slurm_utils import leaked_gres_everywhere
+    from tests.testbed import IN_USE
 
-    before = leaked_gres_everywhere(timeout=0)
+    names = set(IN_USE) | ({"default"} if xdist_group(request.node) == DEFAULT_GROUP else set())
+    before = leaked_gres_everywhere(timeout=0, names=names)
     yield
-    new = leaked_gres_everywhere(known=before)
+    new = leaked_gres_everywhere(known=before, names=names)
     assert not new, f"GRES still allocated on nodes without a job (scontrol -d show node GresUsed): {new}"

@@ -128,25 +128,31 @@ def wait_no_leaked_gres(
         time.sleep(0.5)
 
 
-def testbed_confs() -> list[Path]:
-    """The ``slurm.conf`` of every testbed instance configured on this machine (default first)."""
-    found = [
-        Path("/etc/slurm/slurm.conf"),
-        *sorted(Path("/var/lib").glob("hpcelastic-testbed-*/etc/slurm.conf")),
-    ]
-    return [p for p in found if p.is_file()]
+def testbed_confs(names: Collection[str] | None = None) -> list[Path]:
+    """The ``slurm.conf`` of the testbed instances configured on this machine (default first); only those
+    ``names`` when given (``"default"`` for the default instance)."""
+    found = {"default": Path("/etc/slurm/slurm.conf")}
+    found.update(
+        {
+            p.parts[-3].removeprefix("hpcelastic-testbed-"): p
+            for p in sorted(Path("/var/lib").glob("hpcelastic-testbed-*/etc/slurm.conf"))
+        }
+    )
+    return [p for name, p in found.items() if p.is_file() and (names is None or name in names)]
 
 
 def leaked_gres_everywhere(
-    timeout: float = 30.0, known: Mapping[str, Collection[str]] | None = None
+    timeout: float = 30.0,
+    known: Mapping[str, Collection[str]] | None = None,
+    names: Collection[str] | None = None,
 ) -> dict[str, dict[str, str]]:
-    """:func:`wait_no_leaked_gres` on every running testbed instance; ``{slurm.conf: leaks}``.
+    """:func:`wait_no_leaked_gres` on each running testbed instance (or those ``names``): ``{conf: leaks}``.
 
     ``known``: leaks seen earlier (an earlier result), neither waited for nor reported again.
     """
     known = known or {}
     found = {}
-    for conf in testbed_confs():
+    for conf in testbed_confs(names):
         env = dict(os.environ, SLURM_CONF=str(conf))
         if subprocess.run(["scontrol", "ping"], capture_output=True, env=env, timeout=30).returncode != 0:
             continue  # instance not running

@@ -25,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "testbed.sh"
+IN_USE: set[str] = set()
+"""Instances this process holds through :func:`own_instance` now (a parallel run's workers hold others)."""
 
 
 @dataclass
@@ -177,8 +179,10 @@ def own_instance(name: str, settings: Mapping[str, str]) -> Iterator[Testbed]:
         inst = Testbed(name, dict(settings))
         inst.down()
         inst.up()
+        IN_USE.add(name)
         try:
             yield inst
         finally:
+            IN_USE.discard(name)
             inst.slurm("scancel", "-u", str(os.getuid()), check=False)
             inst.down()

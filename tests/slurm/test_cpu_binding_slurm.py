@@ -160,6 +160,7 @@ def test_task_none_agents_have_the_host_and_workers_split_it(
     check_workers(tb, out, alloc, {node: host for node in alloc})
 
 
+@pytest.mark.xdist_group(name="aff")
 def test_task_affinity_agents_get_all_the_jobs_cpus_of_their_node(affinity: Testbed, tmp_path: Path) -> None:
     """task/cgroup and task/affinity binding to cores: the agent runs on every CPU Slurm gave the job on its
     node (without srun -c: on one), each worker on one of them."""

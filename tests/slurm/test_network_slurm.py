@@ -22,7 +22,7 @@ from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 from tests.slurm_utils import TRAIN, events, named, reference_digest, train_args
 from tests.testbed import Testbed, own_instance
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group(name="fabric")]
 
 NAME = "fabric"
 SETTINGS = {"index": "23", "nodes": "4", "netns": "1", "slurmd_timeout": "15", "cpus_per_node": "4"}

@@ -28,7 +28,7 @@ from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 from tests.slurm_utils import TRAIN, events, named, reference_digest, train_args, wait_no_leaked_gres
 from tests.testbed import Testbed, own_instance
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group(name="nodedeath")]
 
 STEPS = 240
 

@@ -27,7 +27,7 @@ from tests.replica_checks import check_group0_kept_stepping, check_group_restart
 from tests.testbed import Testbed, own_instance
 
 pytest.importorskip("torchft")
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group(name="ftreplica")]
 NAME = "ftreplica"
 NODES = tuple(f"{NAME}{i}" for i in range(1, 6))
 STEPS = 160

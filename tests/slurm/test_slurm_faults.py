@@ -127,6 +127,7 @@ def status_outcome(run: Path) -> str:
 
 
 # ---- 1 + 7: plain scancel --------------------------------------------------------------------------
+@pytest.mark.xdist_group(name="faults")
 def test_plain_scancel_of_a_running_job_stays_cancelled(tmp_path: Path, slurm_env: dict[str, str]) -> None:
     job_id, run = submit(tmp_path, "--nodes", "2", steps=400, train=("--step-time", "0.2"))
     wait_event(run, "progress")
@@ -140,6 +141,7 @@ def test_plain_scancel_of_a_running_job_stays_cancelled(tmp_path: Path, slurm_en
     assert status_outcome(run) == "cancelled"
 
 
+@pytest.mark.xdist_group(name="faults")
 def test_plain_scancel_of_a_pending_job(tmp_path: Path, slurm_env: dict[str, str]) -> None:
     job_id, run = submit(tmp_path, "--nodes", "2", "--sbatch-arg=--begin=now+600")
     assert job(job_id)["JobState"] == "PENDING"
@@ -150,6 +152,7 @@ def test_plain_scancel_of_a_pending_job(tmp_path: Path, slurm_env: dict[str, str
 
 
 @pytest.mark.parametrize("mode", ["requeue", "resubmit"])
+@pytest.mark.xdist_group(name="faults")
 def test_a_decision_after_a_plain_scancel_does_not_bring_the_job_back(
     tmp_path: Path, slurm_env: dict[str, str], mode: str
 ) -> None:
@@ -216,6 +219,7 @@ def test_plain_scancel_of_a_pending_array(tmp_path: Path, default_instance: list
 
 
 # ---- 4: one agent cut off from the coordinator -----------------------------------------------------
+@pytest.mark.xdist_group(name="faults")
 def test_agent_cut_off_for_6s_does_not_requeue(tmp_path: Path, slurm_env: dict[str, str]) -> None:
     """SIGSTOP the second node's agent for 6 s (longer than the 4 s detection bound: 2 s of silence, then
     2 s of unanswered probes): the coordinator goes on without it; the cut-off agent, its lease expired,
@@ -241,6 +245,7 @@ def test_agent_cut_off_for_6s_does_not_requeue(tmp_path: Path, slurm_env: dict[s
 
 
 # ---- 2: a node that really dies --------------------------------------------------------------------
+@pytest.mark.xdist_group(name="faults")
 def test_node_death_survivors_finish_in_the_same_allocation(
     tb: Testbed, tmp_path: Path, slurm_env: dict[str, str]
 ) -> None:
@@ -278,6 +283,7 @@ def test_node_death_survivors_finish_in_the_same_allocation(
     assert (tmp_path / "out" / "final.json").is_file()
 
 
+@pytest.mark.xdist_group(name="faults")
 def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
     tb: Testbed, tmp_path: Path, slurm_env: dict[str, str]
 ) -> None:

@@ -44,7 +44,7 @@ from tests.slurm_utils import wait_for_event as wait_event
 from tests.slurm_utils import wait_job_state as wait_state
 from tests.testbed import Testbed, own_instance
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group(name="preempt")]
 
 NAME = "preempt"
 SETTINGS = {"index": "11", "nodes": "2", "preempt": "1"}

@@ -20,7 +20,7 @@ import pytest
 
 from tests.testbed import Testbed, own_instance
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group(name="net")]
 
 NAME = "net"
 INDEX = 19
