@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ def slurm_cluster() -> dict[str, object]:
 
     Fails (never skips) when it cannot be started: every machine that runs the tests can run it.
     """
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "testbed.sh"), "up"], capture_output=True, text=True, timeout=300
-    )
+    with open("/var/lock/hpcelastic-testbed-default-up.lock", "w") as lock:  # parallel workers: one `up`
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.run(
+            ["bash", str(REPO / "scripts" / "testbed.sh"), "up"], capture_output=True, text=True, timeout=300
+        )
     if proc.returncode != 0:
         pytest.fail(f"the Slurm testbed did not come up:\n{proc.stdout}\n{proc.stderr}")
     return {"partition": "debug", "nodes": ["node1", "node2", "node3", "node4"], "gpus_per_node": 4}
