@@ -64,9 +64,15 @@ def check_groups(num_nodes: int, groups: int, min_groups: int) -> str | None:
     if groups < 1 or min_groups < 1:
         return "--replica-groups and --min-replica-groups must be at least 1"
     if min_groups > groups:
-        return f"--min-replica-groups {min_groups} exceeds --replica-groups {groups}"
+        return (
+            f"--min-replica-groups {min_groups} exceeds --replica-groups {groups}; lower "
+            f"--min-replica-groups to {groups} or fewer"
+        )
     if groups > 1 and num_nodes % groups:
-        return f"{num_nodes} node(s) do not split into {groups} replica groups of equal size"
+        return (
+            f"{num_nodes} node(s) do not split into {groups} replica groups of equal size; pick --nodes "
+            f"as a multiple of --replica-groups"
+        )
     return None
 
 

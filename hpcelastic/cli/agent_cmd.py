@@ -25,9 +25,10 @@ from hpcelastic.agent.spec import (
 )
 from hpcelastic.env.base import BootstrapOptions
 from hpcelastic.errors import UserError
-from hpcelastic.parse import AUTO, MAX_GRACE_PERIOD_S, parse_nodes, parse_nproc
+from hpcelastic.parse import AUTO, MAX_GRACE_PERIOD_S, MIN_STALL_TIMEOUT_S, parse_nodes, parse_nproc
 
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+_STALL_HELP = "Seconds without progress = hang."
 _PROGRAM = click.argument("program", nargs=-1, type=click.UNPROCESSED)
 
 
@@ -59,7 +60,9 @@ def _default(value: Any) -> str:
     type=click.FloatRange(min=1),
     help="Rendezvous time-out." + _default(BootstrapOptions.timeout),
 )
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
+@click.option(
+    "--stall-timeout", type=click.FloatRange(min=MIN_STALL_TIMEOUT_S), help="Seconds without progress = hang."
+)
 @click.option("--signal", help="Preemption signal." + _default(DEFAULT_SIGNAL))
 @click.option(
     "--grace-period",
@@ -103,7 +106,9 @@ def agent(**params: Any) -> None:
 @click.option("--nproc-per-node", default=AUTO, show_default=True, help="Workers per agent, or 'auto'.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Default: ./hpcelastic-runs/local-<stamp>.")
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
+@click.option(
+    "--stall-timeout", type=click.FloatRange(min=MIN_STALL_TIMEOUT_S), help="Seconds without progress = hang."
+)
 @click.option("--rdzv-timeout", type=click.FloatRange(min=1), default=LOCAL_RDZV_TIMEOUT, show_default=True)
 @click.option(
     "--grace-period",

@@ -68,7 +68,7 @@ class JobSpec:
     grace_period_s: int | None
     rdzv_interface: str | None
     rdzv_port: int | None
-    stall_timeout_s: int | None
+    stall_timeout_s: float | None
     modules: tuple[str, ...]
     setup: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
@@ -184,7 +184,7 @@ def build_spec(
             raise UserError("--replica-groups needs a fixed node count (--nodes N), not a range")
         problem = check_groups(nodes_max, groups, min_groups)
         if problem:
-            raise UserError(f"{problem}; pick --nodes as a multiple of --replica-groups")
+            raise UserError(problem)
     grace = v("requeue.grace_period")
     if grace is not None and lead is not None and lead <= grace:
         raise UserError(
