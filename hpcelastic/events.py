@@ -49,6 +49,7 @@ class EventName(Named):
     REPLICA_GROUP_HEALED = "replica_group_healed"
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
     STOP_IGNORED = "stop_ignored"
+    CHECKPOINT_OPENED = "checkpoint_opened"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -78,6 +79,7 @@ REPLICA_GROUP_RESTARTING = EventName.REPLICA_GROUP_RESTARTING
 REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
+CHECKPOINT_OPENED = EventName.CHECKPOINT_OPENED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -262,6 +264,32 @@ def signal_received(*, signal: str, node_rank: int) -> Event:
 def checkpoint_published(*, path: str, step: int, attempt: int, rank: int, checkpoint_dir: str) -> Event:
     return _event(
         CHECKPOINT_PUBLISHED, path=path, step=step, attempt=attempt, rank=rank, checkpoint_dir=checkpoint_dir
+    )
+
+
+def checkpoint_opened(
+    *,
+    attempt: int,
+    round: int,
+    node_rank: int,
+    path: str,
+    file: str,
+    completed_ts: float | None,
+    newest: str | None,
+) -> Event:
+    """A worker of ``round`` opened ``file`` of checkpoint ``path`` (both relative to the checkpoint dir)
+    for reading before the round's first step: what the round resumed from, seen by its agent (an
+    unchanged script publishes nothing). ``completed_ts``: when that checkpoint was complete (its newest
+    file's mtime; a DCP directory's ``.metadata``); ``newest``: the newest complete checkpoint there then."""
+    return _event(
+        CHECKPOINT_OPENED,
+        attempt=attempt,
+        round=round,
+        node_rank=node_rank,
+        path=path,
+        file=file,
+        completed_ts=completed_ts,
+        newest=newest,
     )
 
 

@@ -63,7 +63,7 @@ PING_NEIGHBOURS = 8
 #: An answer counts only to one of the last this many probes sent to that agent.
 RECENT_PROBES = 16
 #: The events an agent may have the coordinator write for it.
-AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY})
+AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY, EventName.CHECKPOINT_OPENED})
 
 
 @dataclass(eq=False)

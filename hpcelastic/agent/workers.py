@@ -495,6 +495,11 @@ class WorkerGroup:
                         os.kill(pid, sig)
         return uncaught
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """The workers' checkpoint directory (a real path)."""
+        return self._checkpoint_dir
+
     def saving(self, worker: Worker) -> list[str]:
         """Files in the checkpoint dir that ``worker`` or a descendant holds open for writing."""
         files = []
