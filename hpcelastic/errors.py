@@ -17,6 +17,8 @@ EXIT_COORDINATOR_LOST = 6
 EXIT_NODE_UNHEALTHY = 7
 EXIT_STARTUP_FAILURE = 8
 EXIT_STEP_FAILED = 9
+#: The run was cancelled (``scancel``, ``hpcelastic cancel``): 128 + SIGTERM, as a process TERM ended.
+EXIT_CANCELLED = 143
 
 EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_OK: "all workers finished successfully",
@@ -29,6 +31,7 @@ EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_NODE_UNHEALTHY: "a GPU health check failed; the node was marked bad",
     EXIT_STARTUP_FAILURE: "workers failed identically before training started; not requeued",
     EXIT_STEP_FAILED: "the job step failed before any agent began the attempt (srun's own error); requeued",
+    EXIT_CANCELLED: "the run was cancelled (scancel or hpcelastic cancel); not requeued",
 }
 
 

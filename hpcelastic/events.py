@@ -50,6 +50,7 @@ class EventName(Named):
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
     STOP_IGNORED = "stop_ignored"
     CHECKPOINT_OPENED = "checkpoint_opened"
+    AGENT_STOPPED = "agent_stopped"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -80,6 +81,7 @@ REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
 CHECKPOINT_OPENED = EventName.CHECKPOINT_OPENED
+AGENT_STOPPED = EventName.AGENT_STOPPED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -199,6 +201,12 @@ def root_cause(failure: Mapping[str, Any], *, traceback: str, exit_ts: float | N
 
 def node_lost(*, node_rank: int, node: str, reason: str) -> Event:
     return _event(NODE_LOST, node_rank=node_rank, node=node, reason=reason)
+
+
+def agent_stopped(*, node_rank: int, node: str, reason: str) -> Event:
+    """An agent left on a signal that stopped every agent of the step with it (Slurm's cancel, preemption or
+    time limit; Ctrl-C or TERM to ``hpcelastic run``): the job was stopped, no node was lost."""
+    return _event(AGENT_STOPPED, node_rank=node_rank, node=node, reason=reason)
 
 
 def node_unhealthy(*, node: str, gpu: str, reason: str) -> Event:

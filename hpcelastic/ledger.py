@@ -624,7 +624,7 @@ class _Builder:
             a_end = max(self.now, *seen)
         else:
             a_end = max(seen)
-        badly = reason not in (None, Reason.SUCCEEDED) or (reason is None and not last)
+        badly = reason not in (None, Reason.SUCCEEDED, Reason.CANCELLED) or (reason is None and not last)
         self.cursor, self.limit = a_start, a_end
         rounds: list[RoundSpan] = []
         epochs = rl.epochs(sl)

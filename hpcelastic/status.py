@@ -166,7 +166,14 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     ),
     events.CHECKPOINT_REJECTED: lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
 }
-_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED, events.PROGRESS}
+#: Events with no row: each agent the step's stop stopped (one row per node of a large job) is the stop's.
+_QUIET = {
+    events.WORKERS_STARTED,
+    events.WORKER_FAILED,
+    events.PROGRESS,
+    events.AGENT_STOPPED,
+    events.CHECKPOINT_OPENED,
+}
 _KNOWN = {str(n) for n in EventName}
 
 

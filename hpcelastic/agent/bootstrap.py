@@ -30,14 +30,13 @@ from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.agent.workers import WorkerConfig, WorkerGroup, start_forkserver
 from hpcelastic.env import slurm
 from hpcelastic.env.base import Environment, NodeContext, Rendezvous
-from hpcelastic.errors import UserError
+from hpcelastic.errors import EXIT_CANCELLED, UserError
 from hpcelastic.lifecycle.attempt_end import end_attempt
 from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
 
 #: The agent's exit code when the run was cancelled before its attempt started (128 + SIGTERM).
-EXIT_CANCELLED = 128 + signal.SIGTERM
 
 
 def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) -> NodeRuntime | int:

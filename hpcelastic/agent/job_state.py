@@ -248,10 +248,11 @@ class JobState:
 
     def _settle_leaving(self) -> list[Action]:
         """The held signalled departures become losses (the coordinator's own node first)."""
+        everyone = set(self.leaving) >= set(self.members)  # the step's stop, not one node's loss
         leaving, self.leaving, self.leaving_until = self.leaving, {}, None
         actions: list[Action] = []
         for n, (reason, ts) in sorted(leaving.items()):
-            actions += self.lost(n, reason, signalled_at=ts)
+            actions += self.lost(n, reason, signalled_at=ts, stopped=everyone)
         return actions
 
     def lost(
@@ -262,9 +263,10 @@ class JobState:
         unhealthy: bool = False,
         signalled_at: float | None = None,
         silent: bool = False,
+        stopped: bool = False,
     ) -> list[Action]:
         """An agent's connection closed or went ``silent``, or it left (a bad node, or stopped by a signal
-        delivered at ``signalled_at``)."""
+        delivered at ``signalled_at``; ``stopped``: with every other agent, the step's stop)."""
         member = self.members.pop(node_rank, None)
         self._alive_nodes.discard(node_rank)
         if member is None or self.phase is Phase.FINISHED:
@@ -272,7 +274,9 @@ class JobState:
         if silent:
             self.fence_until = max(self.fence_until, self._now() + self.fence_s)
             self.silent_hosts.add(member.host)
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        actions = self._departed(
+            node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
+        )
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
@@ -601,15 +605,22 @@ class JobState:
         return LostNode(node_rank, host, reason, ts, round_, signalled_at is not None)
 
     def _departed(
-        self, node_rank: int, member: Member, reason: str, *, unhealthy: bool, signalled_at: float | None
+        self,
+        node_rank: int,
+        member: Member,
+        reason: str,
+        *,
+        unhealthy: bool,
+        signalled_at: float | None,
+        stopped: bool = False,
     ) -> list[Action]:
         """Book an agent that left: an unhealthy node is bad; one that vanished is suspect for the next
-        attempt; one a signal stopped (Slurm ending the step) is neither."""
+        attempt; one a signal stopped (Slurm ending the step) is neither, and with all others (``stopped``)
+        no node was lost at all."""
         if unhealthy:
             self.bad_nodes.append(member.host)
-        actions: list[Action] = [
-            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
-        ]
+        record = events.agent_stopped if stopped else events.node_lost
+        actions: list[Action] = [Record(record(node_rank=node_rank, node=member.host, reason=reason))]
         if signalled_at is None and not unhealthy:
             before = len(self.suspects())
             self.vanished.append((member.host, self._now()))

@@ -318,15 +318,23 @@ class ReplicaJobState(JobState):
         unhealthy: bool = False,
         signalled_at: float | None = None,
         silent: bool = False,
+        stopped: bool = False,
     ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
             return super().lost(
-                node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at, silent=silent
+                node_rank,
+                reason,
+                unhealthy=unhealthy,
+                signalled_at=signalled_at,
+                silent=silent,
+                stopped=stopped,
             )
         member = self.members.pop(node_rank)
         self._alive_nodes.discard(node_rank)
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        actions = self._departed(
+            node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
+        )
         self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)
