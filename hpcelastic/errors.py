@@ -26,7 +26,7 @@ EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_USAGE: "bad input: a flag, file or environment value is wrong",
     EXIT_RESTARTS_EXHAUSTED: "workers kept failing and the job-wide restart budget is spent",
     EXIT_TOO_FEW_NODES: "fewer nodes than the minimum of --nodes MIN:MAX remain",
-    EXIT_STOPPED_FOR_REQUEUE: "stopped on a preemption or time-limit signal; the job is requeued",
+    EXIT_STOPPED_FOR_REQUEUE: "stopped on a preemption or time-limit signal (under Slurm: requeued)",
     EXIT_COORDINATOR_LOST: "the coordinator (group rank 0 agent) was lost",
     EXIT_NODE_UNHEALTHY: "a GPU health check failed; the node was marked bad",
     EXIT_STARTUP_FAILURE: "workers failed identically before training started; not requeued",

@@ -28,7 +28,7 @@ import psutil
 from hpcelastic import events
 from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.env.base import listen
-from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK
+from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED_FOR_REQUEUE
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -157,7 +157,10 @@ def run_local(spec: LocalRun) -> int:
             file=sys.stderr,
         )
         return 128 + stops[0]
-    outcome = "succeeded" if code == EXIT_OK else "failed"
+    if code == EXIT_STOPPED_FOR_REQUEUE:  # a stop signal: no Slurm here to bring the job back
+        outcome = "stopped on the stop signal (nothing requeues a local run: run it again to resume)"
+    else:
+        outcome = "succeeded" if code == EXIT_OK else "failed"
     print(f"hpcelastic: job {outcome} (exit code {code}); {where}", file=sys.stderr)
     return code
 
