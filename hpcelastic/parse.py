@@ -20,6 +20,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 #: The longest grace period: no longer than Slurm's longest lead time (and far below select's ~24.8 days).
 MAX_GRACE_PERIOD_S = MAX_SIGNAL_LEAD_S
+#: ``--console``: every rank's output, rank 0's of each replica group, or hpcelastic's lines only.
+CONSOLE_MODES = ("all", "rank0", "failures")
 #: The shortest --stall-timeout (seconds): `submit` and `run` take the same fractional values.
 MIN_STALL_TIMEOUT_S = 0.1
 #: Signals no process can catch: as the stop signal they would kill every agent and worker at once.

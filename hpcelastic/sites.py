@@ -17,6 +17,7 @@ from typing import Any
 
 from hpcelastic.errors import UserError
 from hpcelastic.parse import (
+    CONSOLE_MODES,
     MAX_GRACE_PERIOD_S,
     MAX_SIGNAL_LEAD_S,
     MIN_STALL_TIMEOUT_S,
@@ -181,6 +182,30 @@ SCHEMA: dict[str, Key] = {
         check=_at_least(1),
         nullable=False,
         option="Fewest replica groups to go on with.",
+    ),
+    "console": Key(
+        str,
+        "all",
+        "what the job's output shows: 'all' ranks, 'rank0' (rank 0 of each replica group) or 'failures' "
+        "(hpcelastic's lines and root causes only); every rank's output is always in its rank log",
+        nullable=False,
+        option="Worker output on the console: all, rank0 or failures.",
+        choices=CONSOLE_MODES,
+    ),
+    "metrics.port": Key(
+        int,
+        None,
+        "TCP port of the coordinator's OpenMetrics endpoint (null: a free one, published in "
+        "<run>/metrics.json for Prometheus' file_sd_configs)",
+        check=_between(1, 65535),
+    ),
+    "metrics.enabled": Key(
+        bool, True, "serve the run's figures (OpenMetrics) from the coordinator", nullable=False
+    ),
+    "metrics.textfile_dir": Key(
+        str,
+        None,
+        "node-exporter textfile collector directory: the coordinator writes hpcelastic_<run id>.prom",
     ),
     "sbatch_directives": Key(list, [], "extra #SBATCH options, e.g. '--mem=0' or '--exclusive'", item=str),
     "python": Key(

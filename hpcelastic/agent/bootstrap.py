@@ -63,6 +63,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         if ctx.is_coordinator
         else None
     )
+    if coordinator is not None:
+        export_metrics(spec, ctx, rdzv, env.environ, stack)
     inbox = Inbox(wake)
     client = CoordinatorClient(
         "127.0.0.1" if coordinator is not None else rdzv.host,
@@ -245,6 +247,33 @@ def host_coordinator(
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
     return coordinator
+
+
+def export_metrics(
+    spec: AgentSpec,
+    ctx: NodeContext,
+    rdzv: Rendezvous,
+    environ: Mapping[str, str],
+    stack: contextlib.ExitStack,
+) -> None:
+    """The run's OpenMetrics endpoint beside the coordinator (and its textfile); a port that cannot be
+    had costs the figures, never the job."""
+    if spec.metrics_port is None:
+        return
+    from hpcelastic.metrics import Exporter, Identity
+
+    ident = Identity(rdzv.run_dir.run_id, ctx.job_id or rdzv.run_dir.local_job_id, slurm.sluid(environ))
+    try:
+        exporter = Exporter(rdzv.run_dir, ident, rdzv.host, spec.metrics_port, spec.metrics_textfile_dir)
+    except OSError as e:
+        say(
+            ctx.node_rank,
+            f"no OpenMetrics endpoint on {rdzv.host}:{spec.metrics_port} ({e.strerror or e}); training "
+            "goes on",
+        )
+        return
+    stack.callback(exporter.close)
+    say(ctx.node_rank, f"metrics: http://{exporter.host}:{exporter.port}/metrics")
 
 
 def fence_bound(timing: Timing) -> float:

@@ -93,6 +93,7 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     _from_schema("replica_groups"),
     _from_schema("min_replica_groups"),
     _from_schema("warm_start"),
+    _from_schema("console"),
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),

@@ -81,6 +81,10 @@ class JobSpec:
     replica_groups: int = 1  # torchft replica groups (hpcelastic.agent.replicas); 1: off
     min_replica_groups: int = 1
     warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
+    console: str = "all"  # worker output on the console (hpcelastic.agent.console)
+    metrics_port: int | None = None  # the coordinator's OpenMetrics port (None: a free one)
+    metrics_enabled: bool = True
+    metrics_textfile_dir: str | None = None
 
     @property
     def nodes_text(self) -> str:
@@ -266,4 +270,8 @@ def build_spec(
         replica_groups=groups,
         min_replica_groups=min_groups,
         warm_start=v("warm_start"),
+        console=v("console"),
+        metrics_port=v("metrics.port"),
+        metrics_enabled=v("metrics.enabled"),
+        metrics_textfile_dir=v("metrics.textfile_dir"),
     )
