@@ -105,6 +105,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         stop_signal=spec.stop_signal.name.removeprefix("SIG"),
         environ=env.worker_environ(),
         node_rank=ctx.node_rank,
+        console=spec.console,
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)

@@ -181,6 +181,8 @@ class JobState:
         self.startup_failure: str | None = None
         #: Some rank of this attempt reached a step (in any round).
         self.stepped = False
+        #: Root-cause tracebacks shown on the console (signature -> times): a repeat is named, not printed.
+        self.shown_tracebacks: dict[str, int] = {}
         self.departed: set[int] = set()
         #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
         self.leaving: dict[int, tuple[str, float]] = {}
@@ -369,16 +371,19 @@ class JobState:
             spawned = max(self.started.values())
             how = {self.spawns[n][0] for n in self.started}
             cold = {str(n): self.spawns[n][1] for n in sorted(self.started) if self.spawns[n][0] == "cold"}
+            kind = how.pop() if len(how) == 1 else "mixed"
+            up = Say(f"round {self.round}: {world} workers up on {len(self.started)} node(s) ({kind} start)")
             return [
+                up,
                 Record(
                     events.workers_started(
                         round=self.round,
                         world_size=world,
                         spawned_ts=spawned,
-                        spawn=how.pop() if len(how) == 1 else "mixed",
+                        spawn=kind,
                         cold_reasons=cold,
                     )
-                )
+                ),
             ]
         return []
 
@@ -450,9 +455,18 @@ class JobState:
         st.step, st.ts, st.unmarked = step, ts, True
         now = self._now()
         if st.marked_at is None:
-            return [self._progress_mark(events.ProgressMark.FIRST)]
+            st.first = (step, ts)
+            return [
+                self._progress_mark(events.ProgressMark.FIRST),
+                Say(f"round {self.round}: training, step {step}"),
+            ]
         if now - st.marked_at >= events.PROGRESS_INTERVAL_S:
-            return [self._progress_mark(events.ProgressMark.PERIODIC)]
+            first_step, first_ts = st.first or (step, ts)
+            rate = (step - first_step) / (ts - first_ts) if ts > first_ts else 0.0
+            return [
+                self._progress_mark(events.ProgressMark.PERIODIC),
+                Say(f"round {self.round}: step {step}, {rate:.3g} steps/s"),
+            ]
         return []
 
     def _progress_mark(self, mark: events.ProgressMark) -> Record:
@@ -716,11 +730,26 @@ class JobState:
         if found is None:
             return []
         cause, traceback, exit_ts = found
-        where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
-        text = f"root cause (round {self.round}): {where}: {cause['error']}"
-        if traceback:
-            text += "\n" + traceback.rstrip()
+        text = self.cause_text(f"root cause (round {self.round})", cause, traceback)
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
+
+    def cause_text(self, head: str, cause: Failure, traceback: str) -> str:
+        """The console's root-cause line: where and what, how many other ranks failed alike, and the
+        traceback the first time it is seen (a repeat is counted, its text is in the rank logs)."""
+        where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
+        text = f"{head}: {where}: {cause['error']}"
+        alike = sum(
+            1 for f in self.failures if f is not cause and traceback and f.get("traceback") == traceback
+        )
+        if alike:
+            text += f" ({alike} other rank(s) failed with the same traceback)"
+        if not traceback:
+            return text
+        key = root_cause_signature({**cause, "traceback": traceback})
+        seen = self.shown_tracebacks[key] = self.shown_tracebacks.get(key, 0) + 1
+        if seen > 1:
+            return text + f"; the same traceback as before ({seen} times now; the rank logs have it)"
+        return text + "\n" + traceback.rstrip()
 
     def _round_cause(self) -> tuple[dict[str, Any], str, float | None] | None:
         """The round's first failure (cause, traceback, time), job-wide: a vanished node before any
@@ -816,3 +845,5 @@ class _RoundSteps:
     ranks: dict[int, int] = field(default_factory=dict)
     marked_at: float | None = None
     unmarked: bool = False
+    #: The round's first reported (step, time): its step rate is counted from there.
+    first: tuple[int, float] | None = None

@@ -253,8 +253,9 @@ class ReplicaJobState(JobState):
             )
         if 0 not in self.members:
             return self._job_wide_stop(g.cause)
+        actions += self._group_cause(g)
         if g.restarts >= self.max_restarts:
-            return self._drop(g, f"its restart budget ({self.max_restarts}) is spent")
+            return actions + self._drop(g, f"its restart budget ({self.max_restarts}) is spent")
         g.restarts += 1
         g.nodes = alive
         actions += [
@@ -275,6 +276,15 @@ class ReplicaJobState(JobState):
             ),
         ]
         return actions + self._start_group(g)
+
+    def _group_cause(self, g: Group) -> list[Action]:
+        """The console line of the group's first failure in its round, with its traceback (once)."""
+        found = [f for f in self.failures if f.get("round") == g.round and f.get("node_rank") in g.nodes]
+        if not found:
+            return []
+        cause = min(found, key=lambda f: f.get("ts") or 0.0)
+        return [Say(self.cause_text(f"replica group {g.index}: root cause (round {g.round})", cause,
+                                    cause.get("traceback") or ""))]  # fmt: skip
 
     def _spares(self) -> list[int]:
         """Joined nodes in no live group: hot spares, and the nodes of groups left out."""

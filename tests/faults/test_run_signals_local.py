@@ -97,6 +97,7 @@ def test_a_stopped_or_killed_run_is_reported_as_such(tmp_path: Path) -> None:
     assert _status(runs["killed"])["outcome"].startswith("killed")
     for run in runs.values():
         assert not wait_no_leaks(str(run))
+
     # (a stop's training is of unknown fate until a rerun shows what it resumed from)
     def trained(run: Path) -> float:
         led = _status(run)["ledger"]
