@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ class Identity:
 
     @property
     def labels(self) -> dict[str, str]:
-        return {"run": self.run, "job": self.job, **({"sluid": self.sluid} if self.sluid else {})}
+        # ``slurm_job``, not ``job``: Prometheus gives each target a ``job`` label of its own (the scrape job)
+        return {"run": self.run, "slurm_job": self.job, **({"sluid": self.sluid} if self.sluid else {})}
 
 
 def _gauge(
@@ -78,8 +79,11 @@ def _step_rate(log: EventLog, attempt: Any, rnd: Any) -> float | None:
     return (marks[-1][0] - marks[0][0]) / (marks[-1][1] - marks[0][1])
 
 
-def families(log: EventLog, ledger: Ledger, ident: Identity) -> list[Metric]:
-    """The run's figures as metric families (pure)."""
+def families(
+    log: EventLog, ledger: Ledger, ident: Identity, live: Mapping[str, float] | None = None
+) -> list[Metric]:
+    """The run's figures as metric families (pure). ``live``: the coordinator's current ``round``,
+    ``world_size``, ``step`` and ``step_rate`` (``JobState.live``), newer than the log's marks."""
     out: list[Metric] = []
     info = InfoMetricFamily(f"{PREFIX}_run", "The run this exporter reports on", labels=list(ident.labels))
     info.add_metric(list(ident.labels.values()), {"job_ids": ",".join(log.job_ids())})
@@ -117,30 +121,44 @@ def families(log: EventLog, ledger: Ledger, ident: Identity) -> list[Metric]:
                         len(log.of(ev.REQUEUED)) + len(log.of(ev.RESUBMITTED))))  # fmt: skip
     started = log.last(ev.ATTEMPT_STARTED)
     if started is not None:
-        out.append(
-            _gauge("attempt", "The current attempt (allocation), from 0", ident, float(started["attempt"]))
-        )
-        current = log.since_last(ev.ATTEMPT_STARTED)
-        rdzv = current.last(ev.RENDEZVOUS)
-        if rdzv is not None:
-            out.append(_gauge("round", "The current round of the attempt (a restart starts a new one)", ident,
-                              float(rdzv["round"])))  # fmt: skip
-            out.append(_gauge("world_size", "Workers in the current round", ident, float(rdzv["world_size"])))
-        step = current.last(ev.PROGRESS)
-        if step is not None:
-            out.append(_gauge("step", "The highest step reported by any rank (heartbeats)", ident,
-                              float(step["step"])))  # fmt: skip
-            rate = _step_rate(current, step.get("attempt"), step.get("round"))
-            if rate is not None:
-                out.append(_gauge("step_rate", "Steps per second in the current round", ident, rate))
+        attempt = float(started["attempt"])
+        out.append(_gauge("attempt", "The current attempt (allocation), from 0", ident, attempt))
+    for name, value in {**_logged(log), **(live or {})}.items():
+        out.append(_gauge(name, _LIVE_DOCS[name], ident, value))
+    return out
+
+
+_LIVE_DOCS = {
+    "round": "The current round of the attempt (a restart starts a new one)",
+    "world_size": "Workers in the current round",
+    "step": "The highest step reported by any rank (heartbeats)",
+    "step_rate": "Steps per second in the current round",
+}
+
+
+def _logged(log: EventLog) -> dict[str, float]:
+    """The current round's figures as the log has them (its rendezvous, its progress marks)."""
+    current = log.since_last(ev.ATTEMPT_STARTED)
+    out: dict[str, float] = {}
+    rdzv = current.last(ev.RENDEZVOUS)
+    if rdzv is not None:
+        out.update(round=float(rdzv["round"]), world_size=float(rdzv["world_size"]))
+    step = current.last(ev.PROGRESS)
+    if step is not None:
+        out["step"] = float(step["step"])
+        rate = _step_rate(current, step.get("attempt"), step.get("round"))
+        if rate is not None:
+            out["step_rate"] = rate
     return out
 
 
 class _RunCollector(Collector):
     """Reads the run's event log at each scrape (cached for :data:`CACHE_S`)."""
 
-    def __init__(self, run_dir: RunDir, ident: Identity) -> None:
-        self.run_dir, self.ident = run_dir, ident
+    def __init__(
+        self, run_dir: RunDir, ident: Identity, live: Callable[[], Mapping[str, float]] | None
+    ) -> None:
+        self.run_dir, self.ident, self.live = run_dir, ident, live
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Metric]] = (-1.0, [])
 
@@ -150,7 +168,8 @@ class _RunCollector(Collector):
             now = time.monotonic()
             if now - at > CACHE_S:
                 log = self.run_dir.events()
-                found = families(log, build_ledger(log, now=time.time()), self.ident)
+                live = self.live() if self.live is not None else None
+                found = families(log, build_ledger(log, now=time.time()), self.ident, live)
                 self._cached = (now, found)
         yield from found
 
@@ -159,11 +178,17 @@ class Exporter:
     """The coordinator's endpoint and textfile; :meth:`close` withdraws the published target."""
 
     def __init__(
-        self, run_dir: RunDir, ident: Identity, host: str, port: int, textfile_dir: Path | None = None
+        self,
+        run_dir: RunDir,
+        ident: Identity,
+        host: str,
+        port: int,
+        textfile_dir: Path | None = None,
+        live: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.run_dir, self.ident = run_dir, ident
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_RunCollector(run_dir, ident))
+        self.registry.register(_RunCollector(run_dir, ident, live))
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         self.host, self.port = host, self._server.server_port
         self.textfile = textfile_dir / f"{PREFIX}_{ident.run}.prom" if textfile_dir else None

@@ -14,7 +14,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcelastic import handoff
@@ -64,7 +64,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         else None
     )
     if coordinator is not None:
-        export_metrics(spec, ctx, rdzv, env.environ, stack)
+        export_metrics(spec, ctx, rdzv, env.environ, stack, coordinator.state.live)
     inbox = Inbox(wake)
     client = CoordinatorClient(
         "127.0.0.1" if coordinator is not None else rdzv.host,
@@ -256,6 +256,7 @@ def export_metrics(
     rdzv: Rendezvous,
     environ: Mapping[str, str],
     stack: contextlib.ExitStack,
+    live: Callable[[], Mapping[str, float]],
 ) -> None:
     """The run's OpenMetrics endpoint beside the coordinator (and its textfile); a port that cannot be
     had costs the figures, never the job."""
@@ -265,7 +266,9 @@ def export_metrics(
 
     ident = Identity(rdzv.run_dir.run_id, ctx.job_id or rdzv.run_dir.local_job_id, slurm.sluid(environ))
     try:
-        exporter = Exporter(rdzv.run_dir, ident, rdzv.host, spec.metrics_port, spec.metrics_textfile_dir)
+        exporter = Exporter(
+            rdzv.run_dir, ident, rdzv.host, spec.metrics_port, spec.metrics_textfile_dir, live
+        )
     except OSError as e:
         say(
             ctx.node_rank,

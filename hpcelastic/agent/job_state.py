@@ -229,6 +229,24 @@ class JobState:
             return self._start_round()
         return self._check_stopped()
 
+    def live(self) -> dict[str, float]:
+        """The current round's figures for the metrics endpoint (read from its thread: plain values only):
+        round, world size, and, once heartbeats came, the highest step and the steps per second since the
+        round's first one."""
+        out: dict[str, float] = {}
+        if self.round < 0:
+            return out
+        out["round"] = float(self.round)
+        out["world_size"] = float(
+            sum(self.members[n].nproc for n in list(self.round_nodes) if n in self.members)
+        )
+        st = self.steps
+        if st.step is not None:
+            out["step"] = float(st.step)
+            if st.first is not None and st.ts > st.first[1]:
+                out["step_rate"] = (st.step - st.first[0]) / (st.ts - st.first[1])
+        return out
+
     def missing(self) -> list[str]:
         """The nodes (``rank (host)``) that have not joined."""
         return [f"{i} ({h})" for i, h in enumerate(self.hosts) if i not in self.members]
