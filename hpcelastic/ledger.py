@@ -806,9 +806,9 @@ class _Builder:
         unplaced = ", ".join(f"#{i}" for i, inc in enumerate(self.incidents, 1) if inc.unknown_s > 0)
         if unplaced:
             notes.append(
-                f"redone work unknown for incident(s) {unplaced}: no heartbeats, no checkpoint seen read by "
-                "the next round and none published; the training before the failure is counted as unknown, "
-                "so the ratio is a range"
+                f"redone work unknown for incident(s) {unplaced}: no round followed yet, or it reported no "
+                "step, read no checkpoint the agent saw and none was published; the training before the "
+                "failure is counted as unknown, so the ratio is a range"
             )
         if self.epochs:
             notes.append(
@@ -852,14 +852,22 @@ def duration(seconds: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
+def ratio_text(ledger: Ledger) -> str:
+    """``91.5 %``, or ``52.0 % to 70.1 %`` while some training is of unknown fate; ``n/a`` before any."""
+    if ledger.ettr is None:
+        return "n/a"
+    text = f"{100 * ledger.ettr:.1f} %"
+    if ledger.unknown_s > 0 and ledger.ettr_upper is not None:
+        text += f" to {100 * ledger.ettr_upper:.1f} %"
+    return text
+
+
 def ledger_lines(ledger: Ledger) -> list[str]:
     """The ledger as text, for ``hpcelastic status`` after the timeline."""
     if not ledger.attempts:
         return ["lost-time ledger: no attempt has started yet"]
-    ratio = f"{100 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    ratio = ratio_text(ledger)
     wall = f"{100 * ledger.ettr_wall:.1f} %" if ledger.ettr_wall is not None else "n/a"
-    if ledger.unknown_s > 0 and ledger.ettr_upper is not None:
-        ratio += f" to {100 * ledger.ettr_upper:.1f} %"
     unknown = f", {duration(ledger.unknown_s)} of unknown fate" if ledger.unknown_s > 0 else ""
     lines = [
         f"effective training time ratio {ratio}: productive {duration(ledger.productive_s)}{unknown} of "

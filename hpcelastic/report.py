@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import Incident, IncidentKind, Ledger, Phase, Segment, duration
+from hpcelastic.ledger import Incident, IncidentKind, Ledger, Phase, Segment, duration, ratio_text
 from hpcelastic.replica_ledger import GroupLane, ReplicaFigures
 
 #: Bar colour per cause (the incident kind, ``productive``, ``startup``).
@@ -536,9 +536,7 @@ def _jobs(log: EventLog) -> str:
 
 def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float | None = None) -> str:
     """The whole page as one HTML string."""
-    ratio = f"{100.0 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
-    if ledger.unknown_s > 0 and ledger.ettr_upper is not None:
-        ratio += f" to {100.0 * ledger.ettr_upper:.1f} %"
+    ratio = ratio_text(ledger)
     wall = f"{100.0 * ledger.ettr_wall:.1f} %" if ledger.ettr_wall is not None else "n/a"
     outcome = log.last(ev.JOB_SUCCEEDED, ev.JOB_FAILED, ev.CANCELLED)
     status = (
