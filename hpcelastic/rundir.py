@@ -12,7 +12,7 @@ Layout (see docs/ARCHITECTURE.md)::
     <run>/local.json       ``hpcelastic run`` only: its host and process ids (is the run alive?)
     <run>/run_id           the run's stable id (the same across requeues and resubmissions)
     <run>/metrics.json     the coordinator's OpenMetrics endpoint, as Prometheus' file_sd_configs reads it
-    <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs
+    <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs (``rank-<R>-g<G>.log`` in replica group G)
     <run>/slurm-<jobid>.out               the batch step's output (--open-mode=append)
 
 Filesystem requirements (a shared filesystem such as NFS, Lustre or GPFS is fine):
@@ -156,9 +156,12 @@ class RunDir:
         d.mkdir(exist_ok=True, mode=0o700)
         return d
 
-    def rank_log_path(self, attempt: int, rank: int) -> Path:
-        """Log file of one global rank in one attempt."""
-        return self.attempt_log_dir(attempt) / f"rank-{rank}.log"
+    def rank_log_path(self, attempt: int, rank: int, group: int = -1) -> Path:
+        """Log file of one global rank in one attempt; with torchft replica groups, of rank ``rank`` of
+        replica group ``group`` (each group numbers its ranks from 0)."""
+        return self.attempt_log_dir(attempt) / (
+            f"rank-{rank}.log" if group < 0 else f"rank-{rank}-g{group}.log"
+        )
 
     def create_secret(self) -> str:
         """Generate the job's control-plane secret and store it with mode 0600."""

@@ -619,7 +619,7 @@ class WorkerGroup:
     def _tee(self, worker: Worker) -> None:
         """Copy the worker's output to its rank log and, as its console allows, to the agent's output."""
         assert worker.proc.stdout is not None and self.round is not None and worker.console is not None
-        log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank)
+        log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank, self.round.replica_group)
         with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
             header = (
                 f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"

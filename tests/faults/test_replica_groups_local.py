@@ -47,7 +47,19 @@ def check_group_console(output: str, run_dir: Path) -> None:
     )
     assert "rank 1" in lines[cause] and "SIGKILL" in lines[cause]
     assert cause < next(i for i, line in enumerate(lines) if "replica group 1: restarting" in line)
-    logs = "".join(p.read_text() for p in (run_dir / "logs" / "attempt-0").glob("rank-*.log"))
+    attempt = run_dir / "logs" / "attempt-0"
+    # each group's ranks have logs of their own (both groups have a rank 0)
+    assert {p.name for p in attempt.glob("rank-*.log")} == {
+        f"rank-{r}-g{g}.log" for r in (0, 1) for g in (0, 1)
+    }
+    logs_cmd = [sys.executable, "-m", "hpcelastic", "logs", str(run_dir)]
+    shown = subprocess.run([*logs_cmd, "--rank", "1", "--group", "1"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "SIGKILL at step" in shown.stdout, shown.stderr
+    ungrouped = subprocess.run(
+        [sys.executable, "-m", "hpcelastic", "logs", str(run_dir)], capture_output=True, text=True
+    )
+    assert ungrouped.returncode == 2 and "--group" in ungrouped.stderr
+    logs = "".join(p.read_text() for p in attempt.glob("rank-*.log"))
     chatter = [line for line in logs.splitlines() if RANK_LOG_ONLY.search(line.encode())]
     assert chatter, "torchft said nothing in the rank logs: nothing was checked"
     assert not [line for line in lines if RANK_LOG_ONLY.search(line.encode())], "chatter on the console"
