@@ -193,9 +193,13 @@ class Exporter:
         self.host, self.port = host, self._server.server_port
         self.textfile = textfile_dir / f"{PREFIX}_{ident.run}.prom" if textfile_dir else None
         self._stop = threading.Event()
-        write_json_atomic(
-            self.target_path(run_dir), [{"targets": [f"{host}:{self.port}"], "labels": ident.labels}]
-        )
+        target = [{"targets": [f"{host}:{self.port}"], "labels": ident.labels}]
+        try:
+            write_json_atomic(self.target_path(run_dir), target)
+        except OSError:
+            self._server.shutdown()
+            self._server.server_close()
+            raise
         self._writer: threading.Thread | None = None
         if self.textfile is not None:
             self._writer = threading.Thread(target=self._write_textfile, name="metrics-textfile", daemon=True)
