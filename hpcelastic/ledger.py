@@ -148,6 +148,8 @@ class Incident:
     redone_steps: int | None = None
     #: What the redone work rests on (:class:`Resumed`'s ``source``); None: unknown, see ``unknown_s``.
     redone_source: str | None = None
+    #: What the next round resumed from (``after step 24``, a checkpoint's path).
+    resumed_from: str | None = None
     #: Training before the failure whose redone share nothing tells (drawn and counted as ``unknown``).
     unknown_s: float = 0.0
 
@@ -201,6 +203,8 @@ class Resumed:
     source: str
     step: int | None = None
     completed_ts: float | None = None
+    #: What it resumed from, for people: ``step 24``, ``checkpoint_19``.
+    what: str = ""
 
 
 def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
@@ -209,13 +213,18 @@ def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | N
     first = [p for p in sl.of(ev.PROGRESS) if p.get("round") in rounds and isinstance(p.get("step"), int)]
     if not first:
         return None
-    return Resumed("heartbeats", step=min(first, key=lambda p: _ts(p, "step_ts") or 0.0)["step"] - 1)
+    step = min(first, key=lambda p: _ts(p, "step_ts") or 0.0)["step"] - 1
+    return Resumed("heartbeats", step=step, what=f"after step {step}")
 
 
 def resumed_from_opened(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
     """The checkpoint the round's workers read before its first step (``checkpoint_opened``)."""
     opened = [r for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and _ts(r, "completed_ts")]
-    return Resumed("checkpoint_opened", completed_ts=_ts(opened[0], "completed_ts")) if opened else None
+    if not opened:
+        return None
+    return Resumed(
+        "checkpoint_opened", completed_ts=_ts(opened[0], "completed_ts"), what=str(opened[0].get("path"))
+    )
 
 
 #: Evidence of what a round resumed from, strongest first; each reads the round's events only. A new
@@ -443,7 +452,9 @@ class _Builder:
                     return found
             stop = float(rd["ts"])
         ckpt = self._checkpoint_before(stop)
-        return Resumed("checkpoint_published", step=ckpt.step, completed_ts=ckpt.ts) if ckpt else None
+        if ckpt is None:
+            return None
+        return Resumed("checkpoint_published", step=ckpt.step, completed_ts=ckpt.ts, what=f"step {ckpt.step}")
 
     def _kept_until(
         self, resumed: Resumed, sl: EventLog, rounds: frozenset[int], first: float, t_fail: float
@@ -599,6 +610,7 @@ class _Builder:
             else:
                 until, inc.redone_steps, on_first = kept
                 inc.redone_source = resumed.source if resumed else None
+                inc.resumed_from = resumed.what or None if resumed else None
                 self.emit(Phase.PRODUCTIVE, until, attempt, inc.round, "productive", estimated=est)
                 redone_est = est and on_first
                 if redone_est:
@@ -877,7 +889,7 @@ def ledger_lines(ledger: Ledger) -> list[str]:
         causes = sorted(ledger.badput_by_cause.items(), key=lambda kv: -kv[1])
         lines.append("badput by cause: " + ", ".join(f"{k} {duration(v)}" for k, v in causes))
     for i, inc in enumerate(ledger.incidents, 1):
-        parts = [_redone_text(inc)] + [
+        parts = [redone_text(inc)] + [
             f"{label} {'~' if name in inc.estimated else ''}{duration(getattr(inc, name))}"
             for label, name in (
                 ("detection", "detection_s"),
@@ -898,14 +910,24 @@ def ledger_lines(ledger: Ledger) -> list[str]:
     return lines
 
 
-def _redone_text(inc: Incident) -> str:
+def redone_text(inc: Incident) -> str:
     """``redone 0.4 s (3 step(s), heartbeats)``, or ``redone unknown (12.0 s of training before the
     failure)``."""
     if inc.redone_source is None:
         return f"redone unknown ({duration(inc.unknown_s)} of training before the failure)"
     steps = f"{inc.redone_steps} step(s), " if inc.redone_steps is not None else ""
     mark = "~" if "redone_work_s" in inc.estimated else ""
-    return f"redone {mark}{duration(inc.redone_work_s)} ({steps}{inc.redone_source.replace('_', ' ')})"
+    why = _SOURCE_TEXT.get(inc.redone_source, inc.redone_source).format(inc.resumed_from)
+    return f"redone {mark}{duration(inc.redone_work_s)} ({steps}{why})"
+
+
+#: How ``status`` names what the redone work rests on; ``{}`` is what the next round resumed from.
+_SOURCE_TEXT = {
+    "heartbeats": "heartbeats: the next round resumed {}",
+    "checkpoint_opened": "the next round read checkpoint {}",
+    "checkpoint_published": "the checkpoint published at {}",
+    "no training": "no step before the failure",
+}
 
 
 def _replica_lines(rep: rl.ReplicaFigures, allocated_s: float) -> list[str]:

@@ -15,7 +15,16 @@ from collections.abc import Iterable
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import Incident, IncidentKind, Ledger, Phase, Segment, duration, ratio_text
+from hpcelastic.ledger import (
+    Incident,
+    IncidentKind,
+    Ledger,
+    Phase,
+    Segment,
+    duration,
+    ratio_text,
+    redone_text,
+)
 from hpcelastic.replica_ledger import GroupLane, ReplicaFigures
 
 #: Bar colour per cause (the incident kind, ``productive``, ``startup``).
@@ -414,7 +423,11 @@ def _fig(inc: Incident, name: str) -> str:
             f'{_e(duration(inc.unknown_s))} of training before the failure">unknown</span>'
         )
     value = duration(getattr(inc, name))
-    return f'<span class="est" title="estimated">≈ {value}</span>' if name in inc.estimated else value
+    if name in inc.estimated:
+        return f'<span class="est" title="estimated">≈ {value}</span>'
+    if name == "redone_work_s":  # what it rests on, as status says it
+        return f'<span title="{_e(redone_text(inc))}">{value}</span>'
+    return value
 
 
 def _incidents(ledger: Ledger) -> str:

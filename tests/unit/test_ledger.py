@@ -366,6 +366,7 @@ def test_redone_work_from_the_step_the_next_round_resumed_after() -> None:
     )
     (inc,) = led.incidents
     assert (inc.redone_source, inc.redone_steps) == ("heartbeats", 19)
+    assert "(19 step(s), heartbeats: the next round resumed after step 40)" in ledger_lines(led)[2]
     assert inc.redone_work_s == pytest.approx(70.0 - (40.0 + 10 * 29.5 / 29))
     assert inc.estimated == []
     # Resumed after the last step reported: only the step in flight was redone.
@@ -378,6 +379,7 @@ def test_redone_work_from_the_checkpoint_the_next_round_read() -> None:
     led = ledger(crash_then(opened(80.0, 1, completed=61.0)))
     (inc,) = led.incidents
     assert (inc.redone_source, inc.redone_steps) == ("checkpoint_opened", None)
+    assert "redone 9.0 s (the next round read checkpoint step-20)" in ledger_lines(led)[2]
     assert inc.redone_work_s == pytest.approx(9.0) and "redone_work_s" not in inc.estimated
     # The round's first step follows its load: its restart lasted at least until the read.
     assert led.attempts[0].rounds[1].first_step == pytest.approx(80.0)
