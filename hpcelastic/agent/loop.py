@@ -15,6 +15,7 @@ import enum
 import os
 import selectors
 import signal
+import threading
 import time
 
 from hpcelastic import events
@@ -23,7 +24,7 @@ from hpcelastic.agent.batch_host import batch_shell_dead, beat_path
 from hpcelastic.agent.bootstrap import end_of_attempt
 from hpcelastic.agent.hangwatch import HangWatch
 from hpcelastic.agent.progress import StepReporter
-from hpcelastic.agent.resume_watch import ResumeWatch
+from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, NodeRuntime
 from hpcelastic.agent.stop_step import StepRate, stop_file_text
 from hpcelastic.agent.workers import Worker, parse_heartbeat
@@ -333,14 +334,22 @@ class NodeLoop:
 
     def _on_checkpoint_read(self) -> None:
         watch = self.resume_watch
-        opened = watch.take() if watch is not None else None
-        if watch is None or opened is None:
+        file = watch.take() if watch is not None else None
+        if watch is None or file is None:
             return
         self._end_resume_watch()
+        args = (watch.root, file, watch.round)
+        threading.Thread(
+            target=self._report_checkpoint, args=args, name="resume-evidence", daemon=True
+        ).start()
+
+    def _report_checkpoint(self, root: str, file: str, round_: int) -> None:
+        """On a thread of its own: the checkpoint read, for the coordinator (``checkpoint_opened``)."""
+        opened = describe(root, file)
         self._event(
             events.checkpoint_opened(
                 attempt=self.rt.attempt,
-                round=watch.round,
+                round=round_,
                 node_rank=self.rt.ctx.node_rank,
                 path=opened.path,
                 file=opened.file,

@@ -60,22 +60,29 @@ class ResumeWatch:
     def fileno(self) -> int:
         return self._inotify.fileno()
 
-    def take(self) -> Opened | None:
-        """The first checkpoint file read since the watch began, if any; the watch is then done (reading
-        the checkpoint's files here makes events of its own, never read)."""
+    def take(self) -> str | None:
+        """The first checkpoint file read since the watch began, if any (the watch is then done)."""
         for ev in self._inotify.read(timeout=0):
             folder = self._dirs.get(ev.wd)
             if folder is None or ev.mask & fl.ISDIR or not ev.name or not _checkpoint_file(ev.name):
                 continue
-            file = os.path.join(folder, ev.name)
-            path, completed = evidence.checkpoint_of(self.root, file)
-            newest = evidence.newest_checkpoint(self.root)
-            return Opened(str(Path(file).relative_to(self.root)), path, completed, newest)
+            return os.path.join(folder, ev.name)
         return None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._inotify.close()
+
+
+def describe(root: str, file: str) -> Opened:
+    """``file``'s checkpoint, when it was complete, and the newest complete checkpoint under ``root``: a scan
+    of the directory (run it off the agent's loop: a checkpoint directory on a parallel filesystem may be
+    large and slow)."""
+    path, completed = evidence.checkpoint_of(root, file)
+    newest = evidence.newest_checkpoint(root)
+    if newest is not None:
+        newest = evidence.checkpoint_of(root, os.path.join(root, newest))[0]
+    return Opened(str(Path(file).relative_to(root)), path, completed, newest)
 
 
 def _checkpoint_file(name: str) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hpcelastic.agent.resume_watch import ResumeWatch
+from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.lifecycle import evidence
 
 
@@ -31,8 +31,9 @@ def test_the_first_checkpoint_file_read_is_the_evidence(tmp_path: Path) -> None:
         assert watch.take() is None
         (tmp_path / "step-4" / ".metadata").read_bytes()
         time.sleep(0.01)
-        found = watch.take()
-        assert found is not None
+        file = watch.take()
+        assert file == str(tmp_path / "step-4" / ".metadata")
+        found = describe(str(tmp_path), file)
         assert (found.file, found.path, found.completed_ts) == ("step-4/.metadata", "step-4", done)
         assert found.newest == "new.pt"
     finally:
