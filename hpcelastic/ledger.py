@@ -146,8 +146,8 @@ class Incident:
     estimated: list[str] = field(default_factory=list)
     recovery: str = "none"  # restart | requeue | none | in_progress
     redone_steps: int | None = None
-    #: What the redone work rests on (:class:`Resumed`'s ``source``); None: unknown, see ``unknown_s``.
-    redone_source: str | None = None
+    #: What the redone work rests on; None: unknown, see ``unknown_s``.
+    redone_source: ResumeSource | None = None
     #: What the next round resumed from (``after step 24``, a checkpoint's path).
     resumed_from: str | None = None
     #: Training before the failure whose redone share nothing tells (drawn and counted as ``unknown``).
@@ -195,12 +195,21 @@ class Checkpoint:
     attempt: int | None
 
 
+class ResumeSource(Named):
+    """What an incident's redone work rests on (``Incident.redone_source``)."""
+
+    HEARTBEATS = "heartbeats"  # the step the next round resumed after
+    CHECKPOINT_OPENED = "checkpoint_opened"  # the checkpoint the next round read
+    CHECKPOINT_PUBLISHED = "checkpoint_published"  # the checkpoint handed to the next round
+    NO_TRAINING = "no_training"  # the round failed before its first step: nothing to redo
+
+
 @dataclass(frozen=True)
 class Resumed:
     """What the round after a failure resumed from: a step (the failed round's steps after it were
     redone) or the time a checkpoint was complete (the failed round's training after it was redone)."""
 
-    source: str
+    source: ResumeSource
     step: int | None = None
     completed_ts: float | None = None
     #: What it resumed from, for people: ``step 24``, ``checkpoint_19``.
@@ -214,7 +223,7 @@ def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | N
     if not first:
         return None
     step = min(first, key=lambda p: _ts(p, "step_ts") or 0.0)["step"] - 1
-    return Resumed("heartbeats", step=step, what=f"after step {step}")
+    return Resumed(ResumeSource.HEARTBEATS, step=step, what=f"after step {step}")
 
 
 def resumed_from_opened(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
@@ -223,7 +232,9 @@ def resumed_from_opened(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
     if not opened:
         return None
     return Resumed(
-        "checkpoint_opened", completed_ts=_ts(opened[0], "completed_ts"), what=str(opened[0].get("path"))
+        ResumeSource.CHECKPOINT_OPENED,
+        completed_ts=_ts(opened[0], "completed_ts"),
+        what=str(opened[0].get("path")),
     )
 
 
@@ -454,7 +465,9 @@ class _Builder:
         ckpt = self._checkpoint_before(stop)
         if ckpt is None:
             return None
-        return Resumed("checkpoint_published", step=ckpt.step, completed_ts=ckpt.ts, what=f"step {ckpt.step}")
+        return Resumed(
+            ResumeSource.CHECKPOINT_PUBLISHED, step=ckpt.step, completed_ts=ckpt.ts, what=f"step {ckpt.step}"
+        )
 
     def _kept_until(
         self, resumed: Resumed, sl: EventLog, rounds: frozenset[int], first: float, t_fail: float
@@ -590,7 +603,7 @@ class _Builder:
         index = len(self.incidents) - 1
         redone_est = False
         if first is None or first >= inc.t_fail:  # no training in the round: nothing to redo
-            inc.redone_source = resumed.source if resumed else "no training"
+            inc.redone_source = resumed.source if resumed else ResumeSource.NO_TRAINING
         else:
             kept = (
                 self._kept_until(resumed, sl, rounds or frozenset([inc.round]), first, inc.t_fail)
@@ -917,16 +930,16 @@ def redone_text(inc: Incident) -> str:
         return f"redone unknown ({duration(inc.unknown_s)} of training before the failure)"
     steps = f"{inc.redone_steps} step(s), " if inc.redone_steps is not None else ""
     mark = "~" if "redone_work_s" in inc.estimated else ""
-    why = _SOURCE_TEXT.get(inc.redone_source, inc.redone_source).format(inc.resumed_from)
+    why = _SOURCE_TEXT[inc.redone_source].format(inc.resumed_from)
     return f"redone {mark}{duration(inc.redone_work_s)} ({steps}{why})"
 
 
 #: How ``status`` names what the redone work rests on; ``{}`` is what the next round resumed from.
 _SOURCE_TEXT = {
-    "heartbeats": "heartbeats: the next round resumed {}",
-    "checkpoint_opened": "the next round read checkpoint {}",
-    "checkpoint_published": "the checkpoint published at {}",
-    "no training": "no step before the failure",
+    ResumeSource.HEARTBEATS: "heartbeats: the next round resumed {}",
+    ResumeSource.CHECKPOINT_OPENED: "the next round read checkpoint {}",
+    ResumeSource.CHECKPOINT_PUBLISHED: "the checkpoint published at {}",
+    ResumeSource.NO_TRAINING: "no step before the failure",
 }
 
 
