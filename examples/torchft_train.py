@@ -100,6 +100,8 @@ def maybe_crash(args: argparse.Namespace, group: int, rank: int, step: int) -> N
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.out_dir:  # every rank may be first: each makes it, none fails on another's
+        args.out_dir.mkdir(parents=True, exist_ok=True)
     group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:

@@ -17,6 +17,8 @@ EXIT_COORDINATOR_LOST = 6
 EXIT_NODE_UNHEALTHY = 7
 EXIT_STARTUP_FAILURE = 8
 EXIT_STEP_FAILED = 9
+#: The run was cancelled (``scancel``, ``hpcelastic cancel``): 128 + SIGTERM, as a process TERM ended.
+EXIT_CANCELLED = 143
 
 EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_OK: "all workers finished successfully",
@@ -24,11 +26,12 @@ EXIT_CODE_MEANINGS: dict[int, str] = {
     EXIT_USAGE: "bad input: a flag, file or environment value is wrong",
     EXIT_RESTARTS_EXHAUSTED: "workers kept failing and the job-wide restart budget is spent",
     EXIT_TOO_FEW_NODES: "fewer nodes than the minimum of --nodes MIN:MAX remain",
-    EXIT_STOPPED_FOR_REQUEUE: "stopped on a preemption or time-limit signal; the job is requeued",
+    EXIT_STOPPED_FOR_REQUEUE: "stopped on a preemption or time-limit signal (under Slurm: requeued)",
     EXIT_COORDINATOR_LOST: "the coordinator (group rank 0 agent) was lost",
     EXIT_NODE_UNHEALTHY: "a GPU health check failed; the node was marked bad",
     EXIT_STARTUP_FAILURE: "workers failed identically before training started; not requeued",
     EXIT_STEP_FAILED: "the job step failed before any agent began the attempt (srun's own error); requeued",
+    EXIT_CANCELLED: "the run was cancelled (scancel or hpcelastic cancel); not requeued",
 }
 
 

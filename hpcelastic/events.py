@@ -49,6 +49,8 @@ class EventName(Named):
     REPLICA_GROUP_HEALED = "replica_group_healed"
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
     STOP_IGNORED = "stop_ignored"
+    CHECKPOINT_OPENED = "checkpoint_opened"
+    AGENT_STOPPED = "agent_stopped"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -78,6 +80,8 @@ REPLICA_GROUP_RESTARTING = EventName.REPLICA_GROUP_RESTARTING
 REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
+CHECKPOINT_OPENED = EventName.CHECKPOINT_OPENED
+AGENT_STOPPED = EventName.AGENT_STOPPED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -199,6 +203,12 @@ def node_lost(*, node_rank: int, node: str, reason: str) -> Event:
     return _event(NODE_LOST, node_rank=node_rank, node=node, reason=reason)
 
 
+def agent_stopped(*, node_rank: int, node: str, reason: str) -> Event:
+    """An agent left on a signal that stopped every agent of the step with it (Slurm's cancel, preemption or
+    time limit; Ctrl-C or TERM to ``hpcelastic run``): the job was stopped, no node was lost."""
+    return _event(AGENT_STOPPED, node_rank=node_rank, node=node, reason=reason)
+
+
 def node_unhealthy(*, node: str, gpu: str, reason: str) -> Event:
     return _event(NODE_UNHEALTHY, node=node, gpu=gpu, reason=reason)
 
@@ -262,6 +272,32 @@ def signal_received(*, signal: str, node_rank: int) -> Event:
 def checkpoint_published(*, path: str, step: int, attempt: int, rank: int, checkpoint_dir: str) -> Event:
     return _event(
         CHECKPOINT_PUBLISHED, path=path, step=step, attempt=attempt, rank=rank, checkpoint_dir=checkpoint_dir
+    )
+
+
+def checkpoint_opened(
+    *,
+    attempt: int,
+    round: int,
+    node_rank: int,
+    path: str,
+    file: str,
+    completed_ts: float | None,
+    newest: str | None,
+) -> Event:
+    """A worker of ``round`` opened ``file`` of checkpoint ``path`` (both relative to the checkpoint dir)
+    for reading before the round's first step: what the round resumed from, seen by its agent (an
+    unchanged script publishes nothing). ``completed_ts``: when that checkpoint was complete (its newest
+    file's mtime; a DCP directory's ``.metadata``); ``newest``: the newest complete checkpoint there then."""
+    return _event(
+        CHECKPOINT_OPENED,
+        attempt=attempt,
+        round=round,
+        node_rank=node_rank,
+        path=path,
+        file=file,
+        completed_ts=completed_ts,
+        newest=newest,
     )
 
 

@@ -63,6 +63,9 @@ class Phase(Named):
     QUEUED = "queued"
     SHUTDOWN = "shutdown"
     DROPPED = "dropped"
+    #: Training before a failure when nothing tells how much of it the next round redid (neither
+    #: productive nor badput: the ledger does not guess).
+    UNKNOWN = "unknown"
 
 
 #: The phases of an incident inside an allocation, in the order they happen (redone work comes first).
@@ -143,6 +146,12 @@ class Incident:
     estimated: list[str] = field(default_factory=list)
     recovery: str = "none"  # restart | requeue | none | in_progress
     redone_steps: int | None = None
+    #: What the redone work rests on; None: unknown, see ``unknown_s``.
+    redone_source: ResumeSource | None = None
+    #: What the next round resumed from (``after step 24``, a checkpoint's path).
+    resumed_from: str | None = None
+    #: Training before the failure whose redone share nothing tells (drawn and counted as ``unknown``).
+    unknown_s: float = 0.0
 
     @property
     def lost_s(self) -> float:
@@ -186,6 +195,54 @@ class Checkpoint:
     attempt: int | None
 
 
+class ResumeSource(Named):
+    """What an incident's redone work rests on (``Incident.redone_source``)."""
+
+    HEARTBEATS = "heartbeats"  # the step the next round resumed after
+    CHECKPOINT_OPENED = "checkpoint_opened"  # the checkpoint the next round read
+    CHECKPOINT_PUBLISHED = "checkpoint_published"  # the checkpoint handed to the next round
+    NO_TRAINING = "no_training"  # the round failed before its first step: nothing to redo
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What the round after a failure resumed from: a step (the failed round's steps after it were
+    redone) or the time a checkpoint was complete (the failed round's training after it was redone)."""
+
+    source: ResumeSource
+    step: int | None = None
+    completed_ts: float | None = None
+    #: What it resumed from, for people: ``step 24``, ``checkpoint_19``.
+    what: str = ""
+
+
+def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
+    """The round's first reported step ``s``: it resumed from the state after step ``s - 1``
+    (``heartbeat(step)`` is called once ``step`` is done, as the README's loop does)."""
+    first = [p for p in sl.of(ev.PROGRESS) if p.get("round") in rounds and isinstance(p.get("step"), int)]
+    if not first:
+        return None
+    step = min(first, key=lambda p: _ts(p, "step_ts") or 0.0)["step"] - 1
+    return Resumed(ResumeSource.HEARTBEATS, step=step, what=f"after step {step}")
+
+
+def resumed_from_opened(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
+    """The checkpoint the round's workers read before its first step (``checkpoint_opened``)."""
+    opened = [r for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and _ts(r, "completed_ts")]
+    if not opened:
+        return None
+    return Resumed(
+        ResumeSource.CHECKPOINT_OPENED,
+        completed_ts=_ts(opened[0], "completed_ts"),
+        what=str(opened[0].get("path")),
+    )
+
+
+#: Evidence of what a round resumed from, strongest first; each reads the round's events only. A new
+#: kind (a restore event naming its step, say) is one more function here.
+RESUME_EVIDENCE = (resumed_from_heartbeats, resumed_from_opened)
+
+
 @dataclass
 class Ledger:
     """Where a run's time went; ``to_json`` is what ``status --json`` carries under ``ledger``."""
@@ -196,6 +253,7 @@ class Ledger:
     checkpoints: list[Checkpoint]
     allocated_s: float
     productive_s: float
+    unknown_s: float
     pending_s: float
     queued_s: float
     badput_by_cause: dict[str, float]
@@ -208,12 +266,17 @@ class Ledger:
 
     @property
     def badput_s(self) -> float:
-        return self.allocated_s - self.productive_s
+        return self.allocated_s - self.productive_s - self.unknown_s
 
     @property
     def ettr(self) -> float | None:
-        """Effective training time ratio: productive / allocated."""
+        """Effective training time ratio: productive / allocated (a lower bound while ``unknown_s`` > 0)."""
         return self.productive_s / self.allocated_s if self.allocated_s > 0 else None
+
+    @property
+    def ettr_upper(self) -> float | None:
+        """The ratio if all training of unknown fate was kept: (productive + unknown) / allocated."""
+        return (self.productive_s + self.unknown_s) / self.allocated_s if self.allocated_s > 0 else None
 
     @property
     def ettr_wall(self) -> float | None:
@@ -223,8 +286,17 @@ class Ledger:
 
     def to_json(self) -> dict[str, Any]:
         out = _plain(asdict(self))
-        out["incidents"] = [{**_plain(asdict(i)), "lost_s": i.lost_s} for i in self.incidents]
-        out.update(badput_s=self.badput_s, ettr=self.ettr, ettr_wall=self.ettr_wall)
+        out["incidents"] = [
+            {
+                **_plain(asdict(i)),
+                "lost_s": i.lost_s,
+                "redone_work_s": i.redone_work_s if i.redone_source else None,
+            }
+            for i in self.incidents
+        ]
+        out.update(
+            badput_s=self.badput_s, ettr=self.ettr, ettr_upper=self.ettr_upper, ettr_wall=self.ettr_wall
+        )
         out["replica_groups"] = self.replica_groups.to_json() if self.replica_groups is not None else None
         return out
 
@@ -272,6 +344,7 @@ _PHASE_FIELD = {
     Phase.RESTART: "restart_to_first_step_s",
     Phase.REDONE: "redone_work_s",
     Phase.PENDING: "pending_s",
+    Phase.UNKNOWN: "unknown_s",
 }
 
 
@@ -293,6 +366,7 @@ class _Builder:
             if (t := _ts(r)) is not None
         ]
         self.slices = self._slices()
+        self.slice_rounds = [self._job_rounds(sl, rl.epochs(sl)) for sl in self.slices]
         self.steps_measured = bool(log.of(ev.PROGRESS))
         self.init_s = self._init_estimate()
 
@@ -355,7 +429,11 @@ class _Builder:
         spawned = _ts(sl.first(ev.WORKERS_STARTED, round=rnd), "spawned_ts")
         if spawned is None:
             return None, True
-        first = max(spawned + self.init_s, rd_ts)
+        # A round that read its checkpoint had not stepped before: training follows the load.
+        opened = [
+            t for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and (t := _ts(r)) is not None
+        ]
+        first = max(spawned + self.init_s, rd_ts, *opened)
         return (first if first < end else None), True
 
     def _last_step(self, sl: EventLog, rounds: frozenset[int]) -> float | None:
@@ -369,6 +447,61 @@ class _Builder:
     def _checkpoint_before(self, t: float) -> Checkpoint | None:
         found = [c for c in self.checkpoints if c.ts <= t]
         return found[-1] if found else None
+
+    def _resumed(self, n: int, i: int, stop: float) -> Resumed | None:
+        """What the job round after round ``i`` of attempt ``n`` resumed from (the next attempt's first
+        round after a requeue); else the checkpoint published last before it started (or before ``stop``,
+        the failed round's end, when none followed), which the agent hands to the next round."""
+        later = [(n, j) for j in range(i + 1, len(self.slice_rounds[n]))]
+        later += [(m, 0) for m in range(n + 1, len(self.slices)) if self.slice_rounds[m]][:1]
+        if later:
+            m, j = later[0]
+            rd, rounds = self.slice_rounds[m][j]
+            for evidence in RESUME_EVIDENCE:
+                found = evidence(self.slices[m], rounds)
+                if found is not None:
+                    return found
+            stop = float(rd["ts"])
+        ckpt = self._checkpoint_before(stop)
+        if ckpt is None:
+            return None
+        return Resumed(
+            ResumeSource.CHECKPOINT_PUBLISHED, step=ckpt.step, completed_ts=ckpt.ts, what=f"step {ckpt.step}"
+        )
+
+    def _kept_until(
+        self, resumed: Resumed, sl: EventLog, rounds: frozenset[int], first: float, t_fail: float
+    ) -> tuple[float, int | None, bool] | None:
+        """Where the failed round's kept training ends (the rest, to ``t_fail``, was redone), the steps
+        redone, and whether that rests on the estimated first step; None when the evidence cannot be placed
+        (a step, but no steps measured in the failed round)."""
+        marks = sorted(
+            [
+                (p["step"], t)
+                for p in sl.of(ev.PROGRESS)
+                if p.get("round") in rounds
+                and isinstance(p.get("step"), int)
+                and (t := _ts(p, "step_ts")) is not None
+                and t <= t_fail
+            ]
+            # a checkpoint published in the round is a step reached by then, too
+            + [(c.step, c.ts) for c in self.checkpoints if c.step is not None and first <= c.ts <= t_fail]
+        )
+        if resumed.completed_ts is not None:
+            kept = min(max(resumed.completed_ts, first), t_fail)
+            steps = None
+            if marks and resumed.step is not None:
+                steps = max(0, marks[-1][0] - max(resumed.step, marks[0][0] - 1))
+            return kept, steps, resumed.completed_ts <= first
+        if resumed.step is None or not marks:
+            return None
+        k, (s0, _), (s_last, t_last) = resumed.step, marks[0], marks[-1]
+        if k >= s_last:
+            return t_last, 0, False
+        if k < s0:
+            return first, s_last - max(k, s0 - 1), False
+        (a, ta), (b, tb) = max(m for m in marks if m[0] <= k), min(m for m in marks if m[0] > k)
+        return ta + (tb - ta) * (k - a) / (b - a), s_last - k, False
 
     def _round_failure(
         self, sl: EventLog, rounds: frozenset[int], rd_ts: float, attempt: int, epoch: rl.Epoch | None = None
@@ -460,27 +593,41 @@ class _Builder:
         stop: float,
         attempt: int,
         rounds: frozenset[int] = frozenset(),
+        resumed: Resumed | None = None,
     ) -> int:
-        """Productive, redone, detection and teardown time of one failure; returns the incident's index."""
+        """Productive, redone (or unknown), detection and teardown time of one failure; returns the
+        incident's index. Redone work rests on ``resumed``: without it, the round's training before the
+        failure is ``unknown``."""
         inc = f.incident
         self.incidents.append(inc)
         index = len(self.incidents) - 1
-        if first is not None:
-            ckpt = self._checkpoint_before(stop)
-            keep = min(inc.t_fail, max(first, ckpt.ts if ckpt else first))
-            self.emit(Phase.PRODUCTIVE, keep, attempt, inc.round, "productive", estimated=est)
-            if est and (ckpt is None or ckpt.ts < first):
-                inc.estimated.append("redone_work_s")
-            steps = [
-                p["step"]
-                for p in sl.of(ev.PROGRESS)
-                if p.get("round") in (rounds or {inc.round})
-                and isinstance(p.get("step"), int)
-                and (_ts(p, "step_ts") or 0.0) <= inc.t_fail
-            ]
-            if steps and ckpt is not None and ckpt.step is not None:
-                inc.redone_steps = max(0, max(steps) - ckpt.step)
-        redone_est = "redone_work_s" in inc.estimated
+        redone_est = False
+        if first is None or first >= inc.t_fail:  # no training in the round: nothing to redo
+            inc.redone_source = resumed.source if resumed else ResumeSource.NO_TRAINING
+        else:
+            kept = (
+                self._kept_until(resumed, sl, rounds or frozenset([inc.round]), first, inc.t_fail)
+                if resumed
+                else None
+            )
+            if kept is None:
+                self.emit(
+                    Phase.UNKNOWN,
+                    inc.t_fail,
+                    attempt,
+                    inc.round,
+                    str(inc.kind),
+                    incident=index,
+                    estimated=est,
+                )
+            else:
+                until, inc.redone_steps, on_first = kept
+                inc.redone_source = resumed.source if resumed else None
+                inc.resumed_from = resumed.what or None if resumed else None
+                self.emit(Phase.PRODUCTIVE, until, attempt, inc.round, "productive", estimated=est)
+                redone_est = est and on_first
+                if redone_est:
+                    inc.estimated.append("redone_work_s")
         self.charge(index, Phase.REDONE, inc.t_fail, attempt, inc.round, redone_est)
         self.charge(index, Phase.DETECTION, f.detected, attempt, inc.round, "detection_s" in inc.estimated)
         self.charge(index, Phase.TEARDOWN, stop, attempt, inc.round)
@@ -502,11 +649,11 @@ class _Builder:
             a_end = max(self.now, *seen)
         else:
             a_end = max(seen)
-        badly = reason not in (None, Reason.SUCCEEDED) or (reason is None and not last)
+        badly = reason not in (None, Reason.SUCCEEDED, Reason.CANCELLED) or (reason is None and not last)
         self.cursor, self.limit = a_start, a_end
         rounds: list[RoundSpan] = []
         epochs = rl.epochs(sl)
-        job_rounds = self._job_rounds(sl, epochs)
+        job_rounds = self.slice_rounds[n]
         by_rounds = {e.all_rounds: e for e in epochs}
         stops: dict[frozenset[int], float] = {}  # a replica epoch -> the job's last step or its failure
         for i, (rd, members) in enumerate(job_rounds):
@@ -536,13 +683,14 @@ class _Builder:
                 continue
             stops[members] = f.incident.t_fail
             stop = a_end if final and reason is not None else (f.stopped or a_end)
-            recovering = self._place_failure(f, first, est, sl, stop, attempt, members)
+            resumed = self._resumed(n, i, stop)
+            recovering = self._place_failure(f, first, est, sl, stop, attempt, members, resumed)
             if not final:
                 self.incidents[recovering].recovery = "restart"
         if not job_rounds and badly:
             f = self._end_failure(sl, reason, attempt, None, a_start, a_end)
             self.charge(recovering, Phase.RENDEZVOUS, f.incident.t_fail, attempt, None)
-            recovering = self._place_failure(f, None, False, sl, a_end, attempt)
+            recovering = self._place_failure(f, None, False, sl, a_end, attempt, resumed=None)
         # A failure with no new round yet: the attempt is still recovering (or it never started training).
         self.charge(recovering, Phase.RENDEZVOUS, a_end, attempt, None)
         self._replica_lanes(sl, epochs, stops, attempt, a_end)
@@ -653,7 +801,7 @@ class _Builder:
     def _ledger(self, queued: float) -> Ledger:
         by_cause: dict[str, float] = {}
         by_phase: dict[str, float] = {}
-        productive = allocated = pending = 0.0
+        productive = allocated = pending = unknown = 0.0
         for s in self.segments:
             if s.incident is not None and s.phase in _PHASE_FIELD:
                 inc = self.incidents[s.incident]
@@ -667,6 +815,9 @@ class _Builder:
             if s.phase is Phase.PRODUCTIVE:
                 productive += s.seconds
                 continue
+            if s.phase is Phase.UNKNOWN:
+                unknown += s.seconds
+                continue
             by_cause[s.cause] = by_cause.get(s.cause, 0.0) + s.seconds
             by_phase[str(s.phase)] = by_phase.get(str(s.phase), 0.0) + s.seconds
         notes = []
@@ -675,8 +826,14 @@ class _Builder:
             notes.append(
                 f"no progress events in attempt(s) {', '.join(map(str, guessed))} (the workers do not call "
                 f"heartbeat()): first steps are estimated as workers_started + {self.init_s:.1f} s "
-                "(the median init time measured in this run, else 0), redone work as the time since the "
-                "last checkpoint or the round's estimated first step"
+                "(the median init time measured in this run, else 0), or when the round read its checkpoint"
+            )
+        unplaced = ", ".join(f"#{i}" for i, inc in enumerate(self.incidents, 1) if inc.unknown_s > 0)
+        if unplaced:
+            notes.append(
+                f"redone work unknown for incident(s) {unplaced}: no round followed yet, or it reported no "
+                "step, read no checkpoint the agent saw and none was published; the training before the "
+                "failure is counted as unknown, so the ratio is a range"
             )
         if self.epochs:
             notes.append(
@@ -693,6 +850,7 @@ class _Builder:
             checkpoints=self.checkpoints,
             allocated_s=allocated,
             productive_s=productive,
+            unknown_s=unknown,
             pending_s=pending,
             queued_s=queued,
             badput_by_cause=by_cause,
@@ -719,24 +877,34 @@ def duration(seconds: float) -> str:
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
 
 
+def ratio_text(ledger: Ledger) -> str:
+    """``91.5 %``, or ``52.0 % to 70.1 %`` while some training is of unknown fate; ``n/a`` before any."""
+    if ledger.ettr is None:
+        return "n/a"
+    text = f"{100 * ledger.ettr:.1f} %"
+    if ledger.unknown_s > 0 and ledger.ettr_upper is not None:
+        text += f" to {100 * ledger.ettr_upper:.1f} %"
+    return text
+
+
 def ledger_lines(ledger: Ledger) -> list[str]:
     """The ledger as text, for ``hpcelastic status`` after the timeline."""
     if not ledger.attempts:
         return ["lost-time ledger: no attempt has started yet"]
-    ratio = f"{100 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    ratio = ratio_text(ledger)
     wall = f"{100 * ledger.ettr_wall:.1f} %" if ledger.ettr_wall is not None else "n/a"
+    unknown = f", {duration(ledger.unknown_s)} of unknown fate" if ledger.unknown_s > 0 else ""
     lines = [
-        f"effective training time ratio {ratio}: productive {duration(ledger.productive_s)} of "
+        f"effective training time ratio {ratio}: productive {duration(ledger.productive_s)}{unknown} of "
         f"{duration(ledger.allocated_s)} allocated; {wall} counting {duration(ledger.pending_s)} pending",
     ]
     if ledger.badput_by_cause:
         causes = sorted(ledger.badput_by_cause.items(), key=lambda kv: -kv[1])
         lines.append("badput by cause: " + ", ".join(f"{k} {duration(v)}" for k, v in causes))
     for i, inc in enumerate(ledger.incidents, 1):
-        parts = [
+        parts = [redone_text(inc)] + [
             f"{label} {'~' if name in inc.estimated else ''}{duration(getattr(inc, name))}"
             for label, name in (
-                ("redone", "redone_work_s"),
                 ("detection", "detection_s"),
                 ("teardown", "teardown_s"),
                 ("rendezvous", "rendezvous_s"),
@@ -753,6 +921,26 @@ def ledger_lines(ledger: Ledger) -> list[str]:
         lines += _replica_lines(ledger.replica_groups, ledger.allocated_s)
     lines += [f"note: {n}" for n in ledger.notes]
     return lines
+
+
+def redone_text(inc: Incident) -> str:
+    """``redone 0.4 s (3 step(s), heartbeats)``, or ``redone unknown (12.0 s of training before the
+    failure)``."""
+    if inc.redone_source is None:
+        return f"redone unknown ({duration(inc.unknown_s)} of training before the failure)"
+    steps = f"{inc.redone_steps} step(s), " if inc.redone_steps is not None else ""
+    mark = "~" if "redone_work_s" in inc.estimated else ""
+    why = _SOURCE_TEXT[inc.redone_source].format(inc.resumed_from)
+    return f"redone {mark}{duration(inc.redone_work_s)} ({steps}{why})"
+
+
+#: How ``status`` names what the redone work rests on; ``{}`` is what the next round resumed from.
+_SOURCE_TEXT = {
+    ResumeSource.HEARTBEATS: "heartbeats: the next round resumed {}",
+    ResumeSource.CHECKPOINT_OPENED: "the next round read checkpoint {}",
+    ResumeSource.CHECKPOINT_PUBLISHED: "the checkpoint published at {}",
+    ResumeSource.NO_TRAINING: "no step before the failure",
+}
 
 
 def _replica_lines(rep: rl.ReplicaFigures, allocated_s: float) -> list[str]:

@@ -20,6 +20,10 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MAX_SIGNAL_LEAD_S = 65535  # Slurm's limit for --signal=...@T
 #: The longest grace period: no longer than Slurm's longest lead time (and far below select's ~24.8 days).
 MAX_GRACE_PERIOD_S = MAX_SIGNAL_LEAD_S
+#: ``--console``: every rank's output, rank 0's of each replica group, or hpcelastic's lines only.
+CONSOLE_MODES = ("all", "rank0", "failures")
+#: The shortest --stall-timeout (seconds): `submit` and `run` take the same fractional values.
+MIN_STALL_TIMEOUT_S = 0.1
 #: Signals no process can catch: as the stop signal they would kill every agent and worker at once.
 UNCATCHABLE_SIGNALS = ("KILL", "STOP")
 AUTO = "auto"
@@ -106,6 +110,9 @@ _TIME_FORMS = (
     (re.compile(r"([0-9]+)-([0-9]+):([0-9]+):([0-9]+)"), ("d", "h", "m", "s")),
 )
 _UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+#: The bound of each field that follows a larger one (``1-23:59:59``); the first field is unbounded.
+_UNIT_LIMIT = {"h": 24, "m": 60, "s": 60}
+_UNIT_NAME = {"h": "hours", "m": "minutes", "s": "seconds"}
 
 
 def parse_time(value: Any) -> int:
@@ -117,7 +124,14 @@ def parse_time(value: Any) -> int:
     for pattern, units in _TIME_FORMS:
         m = pattern.fullmatch(text)
         if m:
-            seconds = sum(int(g) * _UNIT_S[u] for g, u in zip(m.groups(), units, strict=True))
+            fields = list(zip(m.groups(), units, strict=True))
+            for n, (g, u) in enumerate(fields):
+                # Slurm would carry 99 minutes over into hours silently: a typo must not change the limit.
+                if n and int(g) >= _UNIT_LIMIT[u]:
+                    raise ValueError(
+                        f"time limit {text!r}: {_UNIT_NAME[u]} must be below {_UNIT_LIMIT[u]}, not {int(g)}"
+                    )
+            seconds = sum(int(g) * _UNIT_S[u] for g, u in fields)
             if seconds <= 0:
                 raise ValueError(f"time limit {text!r} is zero")
             return seconds

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 from hpcelastic.errors import (
+    EXIT_CANCELLED,
     EXIT_COORDINATOR_LOST,
     EXIT_NODE_UNHEALTHY,
     EXIT_OK,
@@ -50,6 +51,9 @@ class Reason(Named):
     #: The job step ended before any agent began the attempt: srun could not create it, or the agents
     #: failed before they met (no coordinator address); a failure, never a lost coordinator.
     STEP_FAILED = ("step_failed", EXIT_STEP_FAILED)
+    #: Slurm ended the attempt because the user cancelled the job (``scancel``): no failure, no stop to
+    #: requeue; the run is marked cancelled and never brought back.
+    CANCELLED = ("cancelled", EXIT_CANCELLED)
 
     @property
     def is_stop(self) -> bool:

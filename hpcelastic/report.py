@@ -15,7 +15,16 @@ from collections.abc import Iterable
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import Incident, IncidentKind, Ledger, Phase, Segment, duration
+from hpcelastic.ledger import (
+    Incident,
+    IncidentKind,
+    Ledger,
+    Phase,
+    Segment,
+    duration,
+    ratio_text,
+    redone_text,
+)
 from hpcelastic.replica_ledger import GroupLane, ReplicaFigures
 
 #: Bar colour per cause (the incident kind, ``productive``, ``startup``).
@@ -48,6 +57,7 @@ PHASE_COLOURS = {
     Phase.QUEUED: "#d9d9d9",
     Phase.SHUTDOWN: "#b8a9c9",
     Phase.DROPPED: "#7a7a7a",
+    Phase.UNKNOWN: "#bdbdbd",
 }
 _PHASE_TEXT = {
     Phase.PRODUCTIVE: "productive training",
@@ -61,7 +71,13 @@ _PHASE_TEXT = {
     Phase.QUEUED: "queued before the first start",
     Phase.SHUTDOWN: "shutdown after the last step",
     Phase.DROPPED: "replica group left out",
+    Phase.UNKNOWN: "training before a failure, redone share unknown",
 }
+#: The effective training time ratio's card: green from 90 % (Meta's and ByteDance's published runs), amber
+#: from 70 %, else red.
+ETTR_GOOD, ETTR_FAIR = 0.9, 0.7
+#: The most characters of a label left of the timeline (its column is LEFT px wide at 10-12 px type).
+LABEL_CHARS = 22
 
 LEFT, WIDTH, RIGHT, ROW, TOP = 150, 840, 50, 78, 34
 #: The height of one replica group's lane under its attempt's bar.
@@ -69,14 +85,18 @@ LANE = 15
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2933;
-       margin: 24px 32px; max-width: 1120px; }
+       margin: 24px 32px; max-width: 1120px; overflow-wrap: anywhere; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; }
 .meta { color: #52606d; margin: 0 0 16px; }
 .kpis { display: flex; flex-wrap: wrap; gap: 12px; }
 .kpi { border: 1px solid #d9e2ec; border-radius: 6px; padding: 10px 14px; min-width: 150px; }
 .kpi .label { color: #52606d; font-size: 12px; text-transform: uppercase; letter-spacing: .04em; }
 .kpi .value { font-size: 22px; font-weight: 600; }
-.kpi.main { border-color: #2e9d57; background: #f0faf3; }
+.kpi.good { border-color: #2e9d57; background: #f0faf3; }
+.kpi.fair { border-color: #d69e2e; background: #fffaeb; }
+.kpi.poor { border-color: #d64545; background: #fdf0f0; }
+#timeline { width: 100%; height: auto; max-width: 1040px; display: block; }
+.wide { overflow-x: auto; max-width: 100%; }
 table { border-collapse: collapse; margin: 4px 0; }
 th, td { border-bottom: 1px solid #e4e7eb; padding: 4px 10px; text-align: left; vertical-align: top; }
 th { background: #f5f7fa; font-weight: 600; }
@@ -108,6 +128,11 @@ def _tick(offset: float) -> str:
 
 def _clock(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _short(text: str) -> str:
+    """``text`` cut to fit the label column left of the timeline (the whole of it is its tooltip)."""
+    return text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 1] + "…"
 
 
 def _pct(part: float, whole: float) -> str:
@@ -164,7 +189,7 @@ class _Timeline:
         out = [
             f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + RIGHT}" '
             f'height="{height}" viewBox="0 0 {LEFT + WIDTH + RIGHT} {height}" role="img" '
-            f'aria-label="timeline of the run">',
+            f'preserveAspectRatio="xMinYMin meet" aria-label="timeline of the run">',
             '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
             'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eeeeee"/>'
             '<line x1="0" y1="0" x2="0" y2="6" stroke="#b0b0b0" stroke-width="2"/></pattern></defs>',
@@ -194,10 +219,12 @@ class _Timeline:
         bar = y + 20
         out = [f'<g class="attempt-bar" data-attempt="{attempt}">']
         out.append(f'<text x="4" y="{bar + 11}" font-weight="600">attempt {attempt}</text>')
-        detail = f"job {a.job_id}" if a.job_id else ""
-        out.append(
-            f'<text class="small" x="4" y="{bar + 25}">{_e(detail)} · {_e(a.end_reason or "running")}</text>'
-        )
+        for i, line in enumerate([f"job {a.job_id}" if a.job_id else "", a.end_reason or "running"]):
+            if line:
+                out.append(
+                    f'<text class="small attempt-label" x="4" y="{bar + 24 + 11 * i}">{_e(_short(line))}'
+                    f"<title>{_e(line)}</title></text>"
+                )
         x0, x1 = self.x(a.start), self.x(a.end)
         out.append(
             f'<rect class="attempt-bg" x="{x0:.1f}" y="{bar}" width="{max(1.0, x1 - x0):.1f}" height="24" '
@@ -279,7 +306,7 @@ class _Timeline:
     def _segment(self, s: Segment, bar: float) -> str:
         x0, x1 = self.x(s.t0), self.x(s.t1)
         w = max(x1 - x0, 0.0 if s.phase is Phase.PRODUCTIVE else 1.0)
-        colour = CAUSE_COLOURS.get(s.cause, "#555555")
+        colour = PHASE_COLOURS[s.phase] if s.phase is Phase.UNKNOWN else CAUSE_COLOURS.get(s.cause, "#555555")
         tip = (
             f"{_PHASE_TEXT[s.phase]}{' (estimated)' if s.estimated else ''}: {duration(s.seconds)}"
             + (f" — {s.cause}" if s.phase is not Phase.PRODUCTIVE else "")
@@ -330,30 +357,47 @@ class _Timeline:
 
 
 def _legend(ledger: Ledger) -> str:
+    """What the picture draws: the causes and phases that occur in this run, and the marks it has."""
+    drawn = {s.phase for s in ledger.segments} | {
+        Phase(sp.phase)
+        for lane in (ledger.replica_groups.lanes if ledger.replica_groups else [])
+        for sp in lane.spans
+    }
     causes = [
-        "productive",
-        "startup",
-        *[c for c in CAUSE_COLOURS if c in ledger.badput_by_cause and c != "startup"],
+        c for c in CAUSE_COLOURS if c in ledger.badput_by_cause or (c == "productive" and ledger.productive_s)
     ]
     items = "".join(
         f'<li><span class="swatch" style="background:{CAUSE_COLOURS[c]}"></span>{_e(c)}</li>' for c in causes
     )
-    phases = [p for p in Phase if p is not Phase.QUEUED]
+    if Phase.UNKNOWN in drawn:
+        items += (
+            f'<li><span class="swatch" style="background:{PHASE_COLOURS[Phase.UNKNOWN]}"></span>'
+            "training, redone share unknown</li>"
+        )
+    phases = [p for p in Phase if p in drawn and p is not Phase.QUEUED]
     strip = "".join(
         f'<li><span class="swatch" style="background:{PHASE_COLOURS[p]}"></span>{_e(_PHASE_TEXT[p])}</li>'
         for p in phases
     )
-    marks = (
+    marks = [
         '<li><span class="swatch" style="background:#fff;border:0;color:#d64545">✕</span>'
         "failure, preemption or time limit</li>"
+        if ledger.incidents
+        else "",
         '<li><span class="swatch" style="background:#1f2933;width:2px"></span>checkpoint</li>'
+        if ledger.checkpoints
+        else "",
         '<li><span class="swatch" style="background:repeating-linear-gradient(45deg,#eee 0 3px,'
         '#b0b0b0 3px 5px)"></span>pending / queued (not allocated)</li>'
+        if drawn & {Phase.PENDING, Phase.QUEUED}
+        else "",
         '<li><span class="swatch" style="background:#2e9d57;opacity:.6"></span>paler: estimated</li>'
-    )
+        if any(s.estimated for s in ledger.segments)
+        else "",
+    ]
     return (
         '<div class="legend-title">Bar colour: cause of the time</div>'
-        f'<ul class="legend" id="legend-cause">{items}{marks}</ul>'
+        f'<ul class="legend" id="legend-cause">{items}{"".join(marks)}</ul>'
         '<div class="legend-title">Strip below the bar: phase</div>'
         f'<ul class="legend" id="legend-phase">{strip}</ul>'
     )
@@ -373,8 +417,17 @@ def _table(
 
 
 def _fig(inc: Incident, name: str) -> str:
+    if name == "redone_work_s" and inc.redone_source is None:
+        return (
+            f'<span class="unknown" title="nothing tells what the next round resumed from: '
+            f'{_e(duration(inc.unknown_s))} of training before the failure">unknown</span>'
+        )
     value = duration(getattr(inc, name))
-    return f'<span class="est" title="estimated">≈ {value}</span>' if name in inc.estimated else value
+    if name in inc.estimated:
+        return f'<span class="est" title="estimated">≈ {value}</span>'
+    if name == "redone_work_s":  # what it rests on, as status says it
+        return f'<span title="{_e(redone_text(inc))}">{value}</span>'
+    return value
 
 
 def _incidents(ledger: Ledger) -> str:
@@ -405,7 +458,7 @@ def _incidents(ledger: Ledger) -> str:
     ]
     headers = ["#", "when", "attempt/ round", "kind", "what", "redone work", "detection", "teardown",
                "rendezvous", "restart to 1st step", "pending", "lost", "recovery"]  # fmt: skip
-    return _table(headers, rows, table_id="incidents", numeric=range(5, 12))
+    return '<div class="wide">' + _table(headers, rows, table_id="incidents", numeric=range(5, 12)) + "</div>"
 
 
 def _by(ledger: Ledger, totals: dict[str, float], table_id: str, colours: dict[str, str]) -> str:
@@ -479,9 +532,24 @@ def _replica_table(rep: ReplicaFigures) -> list[str]:
     ]
 
 
+def _grade(ettr: float | None) -> str:
+    """The ratio card's colour class."""
+    if ettr is None:
+        return ""
+    return "good" if ettr >= ETTR_GOOD else "fair" if ettr >= ETTR_FAIR else "poor"
+
+
+def _jobs(log: EventLog) -> str:
+    """``job(s) 11, 12`` of a Slurm run; a run of ``hpcelastic run`` has none."""
+    ids = log.job_ids()
+    if ids:
+        return f"job(s) {', '.join(ids)}"
+    return "local run (hpcelastic run, no Slurm job)"
+
+
 def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float | None = None) -> str:
     """The whole page as one HTML string."""
-    ratio = f"{100.0 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    ratio = ratio_text(ledger)
     wall = f"{100.0 * ledger.ettr_wall:.1f} %" if ledger.ettr_wall is not None else "n/a"
     outcome = log.last(ev.JOB_SUCCEEDED, ev.JOB_FAILED, ev.CANCELLED)
     status = (
@@ -494,7 +562,7 @@ def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float |
     submitted = log.first(ev.SUBMITTED)
     script = submitted.get("script") if submitted else None
     kpis = [
-        ("Effective training time ratio", ratio, "main", "ettr"),
+        ("Effective training time ratio", ratio, f"main {_grade(ledger.ettr)}", "ettr"),
         ("Productive time", duration(ledger.productive_s), "", "productive"),
         ("Allocated time", duration(ledger.allocated_s), "", "allocated"),
         ("Badput", duration(ledger.badput_s), "", "badput"),
@@ -519,9 +587,7 @@ def render_report(ledger: Ledger, log: EventLog, *, run: str, generated: float |
         for label, value, cls, kid in kpis
     )
     meta = (
-        f"{_e(run)}"
-        + (f" · script {_e(script)}" if script else "")
-        + f" · job(s) {_e(', '.join(log.job_ids()) or '-')}"
+        f"{_e(run)}" + (f" · script {_e(script)}" if script else "") + f" · {_e(_jobs(log))}"
         f" · {len(ledger.attempts)} attempt(s) · outcome: {_e(status)}"
     )
     notes = [*ledger.notes]

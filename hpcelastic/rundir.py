@@ -10,7 +10,9 @@ Layout (see docs/ARCHITECTURE.md)::
     <run>/events.jsonl     the event log of runs written before per-host files (still read)
     <run>/handoff.json     latest published checkpoint, attempt, last end reason
     <run>/local.json       ``hpcelastic run`` only: its host and process ids (is the run alive?)
-    <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs
+    <run>/run_id           the run's stable id (the same across requeues and resubmissions)
+    <run>/metrics.json     the coordinator's OpenMetrics endpoint, as Prometheus' file_sd_configs reads it
+    <run>/logs/attempt-<K>/rank-<R>.log   per-rank worker logs (``rank-<R>-g<G>.log`` in replica group G)
     <run>/slurm-<jobid>.out               the batch step's output (--open-mode=append)
 
 Filesystem requirements (a shared filesystem such as NFS, Lustre or GPFS is fine):
@@ -28,6 +30,7 @@ Filesystem requirements (a shared filesystem such as NFS, Lustre or GPFS is fine
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import heapq
 import json
 import os
@@ -44,6 +47,8 @@ from hpcelastic.errors import UserError
 from hpcelastic.events import Event, EventLog
 
 SECRET_BYTES = 32
+#: The run id's size: 16 hex characters.
+RUN_ID_BYTES = 8
 #: A lock file older than this whose holder cannot be checked is taken to be left by a dead holder.
 LOCK_STALE_S = 60.0
 _UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9._-]")
@@ -106,7 +111,20 @@ class RunDir:
             os.chmod(p, 0o700)
         except OSError as e:
             raise UserError(f"cannot create run directory {p}: {e.strerror}") from None
-        return cls(p)
+        rd = cls(p)
+        write_atomic(rd.run_id_path, secrets.token_hex(RUN_ID_BYTES).encode())
+        return rd
+
+    @property
+    def run_id(self) -> str:
+        """The run's stable id, written when it was created: every requeue and resubmission of the run
+        shares it (metrics label their figures with it). A run directory made before it existed gets a
+        digest of its path."""
+        with contextlib.suppress(OSError):
+            found = self.run_id_path.read_text().strip()
+            if found:
+                return found
+        return hashlib.sha256(str(self.path).encode()).hexdigest()[: 2 * RUN_ID_BYTES]
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> RunDir:
@@ -126,6 +144,7 @@ class RunDir:
     logs_path = property(lambda self: self.path / "logs")
     #: ``hpcelastic run``'s processes (agent/launcher.py), so that ``status`` can tell whether they live.
     local_path = property(lambda self: self.path / "local.json")
+    run_id_path = property(lambda self: self.path / "run_id")
     #: The job id of a run outside Slurm (``hpcelastic run``): it keys attempts like a Slurm job id.
     local_job_id = property(lambda self: f"local-{self.path.name}")
 
@@ -137,9 +156,12 @@ class RunDir:
         d.mkdir(exist_ok=True, mode=0o700)
         return d
 
-    def rank_log_path(self, attempt: int, rank: int) -> Path:
-        """Log file of one global rank in one attempt."""
-        return self.attempt_log_dir(attempt) / f"rank-{rank}.log"
+    def rank_log_path(self, attempt: int, rank: int, group: int = -1) -> Path:
+        """Log file of one global rank in one attempt; with torchft replica groups, of rank ``rank`` of
+        replica group ``group`` (each group numbers its ranks from 0)."""
+        return self.attempt_log_dir(attempt) / (
+            f"rank-{rank}.log" if group < 0 else f"rank-{rank}-g{group}.log"
+        )
 
     def create_secret(self) -> str:
         """Generate the job's control-plane secret and store it with mode 0600."""

@@ -17,8 +17,10 @@ from typing import Any
 
 from hpcelastic.errors import UserError
 from hpcelastic.parse import (
+    CONSOLE_MODES,
     MAX_GRACE_PERIOD_S,
     MAX_SIGNAL_LEAD_S,
+    MIN_STALL_TIMEOUT_S,
     is_env_name,
     parse_time,
     signal_name,
@@ -60,8 +62,8 @@ def _choice(*allowed: str) -> Validator:
     return check
 
 
-def _at_least(low: int) -> Validator:
-    return lambda value: None if value >= low else f"must be at least {low}, got {value}"
+def _at_least(low: float) -> Validator:
+    return lambda value: None if value >= low else f"must be at least {low:g}, got {value:g}"
 
 
 def _between(low: int, high: int) -> Validator:
@@ -156,12 +158,13 @@ SCHEMA: dict[str, Key] = {
         "fork Python workers from a per-node server that has imported torch; false: a new interpreter "
         "each (--no-warm-start)",
         nullable=False,
+        option="Fork workers from a server that imported torch.",
     ),
     "stall_timeout": Key(
-        int,
+        float,
         None,
         "seconds without progress on any rank (stacks, I/O, heartbeats) before a hang restarts the job",
-        check=_at_least(1),
+        check=_at_least(MIN_STALL_TIMEOUT_S),
         option="Seconds without progress before a hang is declared.",
     ),
     "replica_groups": Key(
@@ -179,6 +182,30 @@ SCHEMA: dict[str, Key] = {
         check=_at_least(1),
         nullable=False,
         option="Fewest replica groups to go on with.",
+    ),
+    "console": Key(
+        str,
+        "all",
+        "what the job's output shows: 'all' ranks, 'rank0' (rank 0 of each replica group) or 'failures' "
+        "(hpcelastic's lines and root causes only); every rank's output is always in its rank log",
+        nullable=False,
+        option="Worker output on the console: all, rank0 or failures.",
+        choices=CONSOLE_MODES,
+    ),
+    "metrics.port": Key(
+        int,
+        None,
+        "TCP port of the coordinator's OpenMetrics endpoint (null: a free one, published in "
+        "<run>/metrics.json for Prometheus' file_sd_configs)",
+        check=_between(1, 65535),
+    ),
+    "metrics.enabled": Key(
+        bool, True, "serve the run's figures (OpenMetrics) from the coordinator", nullable=False
+    ),
+    "metrics.textfile_dir": Key(
+        str,
+        None,
+        "node-exporter textfile collector directory: the coordinator writes hpcelastic_<run id>.prom",
     ),
     "sbatch_directives": Key(list, [], "extra #SBATCH options, e.g. '--mem=0' or '--exclusive'", item=str),
     "python": Key(
@@ -287,40 +314,54 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
 def validate(tree: Any, source: str) -> dict[str, Any]:
     """Check one layer (a parsed YAML document) against :data:`SCHEMA`; return it flattened.
 
-    ``source`` names the file in error messages. Raises :class:`UserError` on the first problem.
+    ``source`` names the file in error messages. Raises :class:`UserError` naming every problem.
     """
+    flat, found = check(tree, source)
+    if found:
+        more = f" (and {len(found) - 1} more: {'; '.join(found[1:])})" if len(found) > 1 else ""
+        raise UserError(f"{found[0]}{more}")
+    return flat
+
+
+def check(tree: Any, source: str) -> tuple[dict[str, Any], list[str]]:
+    """One layer flattened, and every problem in it (``source: key: why``), in the file's order."""
     if tree is None:
-        return {}
+        return {}, []
     if not isinstance(tree, Mapping):
-        raise UserError(f"{source}: the top level must be a mapping of keys, not {_type_name(tree)}")
-    for section in SECTIONS:
-        if section in tree and tree[section] is not None and not isinstance(tree[section], Mapping):
-            raise UserError(f"{source}: {section}: must be a mapping, not {_type_name(tree[section])}")
+        return {}, [f"{source}: the top level must be a mapping of keys, not {_type_name(tree)}"]
+    found = [
+        f"{source}: {section}: must be a mapping, not {_type_name(tree[section])}"
+        for section in SECTIONS
+        if section in tree and tree[section] is not None and not isinstance(tree[section], Mapping)
+    ]
     flat = flatten({k: v for k, v in tree.items() if v is not None or k not in SECTIONS})
     for path, value in flat.items():
+        if path in SECTIONS:
+            continue  # reported above
         key = SCHEMA.get(path)
         if key is None:
             hint = difflib.get_close_matches(path, list(SCHEMA), n=1, cutoff=0.6)
             fix = f"did you mean {hint[0]!r}?" if hint else "see `hpcelastic sites show default` for the keys"
-            raise UserError(f"{source}: {path}: unknown key; {fix}")
+            found.append(f"{source}: {path}: unknown key; {fix}")
+            continue
         problem = _check_value(key, value)
         if problem:
             where = FLAG_OF.get(path, path) if source == COMMAND_LINE else path
-            raise UserError(f"{source}: {where}: {problem}")
-    return flat
+            found.append(f"{source}: {where}: {problem}")
+    return flat, found
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", int: "an integer", bool: "true/false"}.get(
-        type(value), type(value).__name__
-    )
+    names = {dict: "a mapping", list: "a list", str: "a string", int: "an integer", float: "a number"}
+    return {**names, bool: "true/false"}.get(type(value), type(value).__name__)
 
 
 def _check_value(key: Key, value: Any) -> str | None:
     if value is None:
         return None if key.nullable else "must not be empty"
-    # bool is an int subclass in Python; YAML's `yes` must not pass as a number.
-    if (isinstance(value, bool) and key.type is not bool) or not isinstance(value, key.type):
+    # bool is an int subclass in Python; YAML's `yes` must not pass as a number. A whole number is a float.
+    accepted = (int, float) if key.type is float else key.type
+    if (isinstance(value, bool) and key.type is not bool) or not isinstance(value, accepted):
         hint = " (quote it: YAML reads an unquoted 4:00:00 as a number)" if key.type is str else ""
         return f"must be {_type_name(key.type())}, not {_type_name(value)} ({value!r}){hint}"
     if key.item is not None:

@@ -19,7 +19,7 @@ from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
 from hpcelastic.events import EventLog, EventName
 from hpcelastic.jobs import slurm
 from hpcelastic.ledger import Ledger, build_ledger, ledger_lines
-from hpcelastic.reasons import JobEnd
+from hpcelastic.reasons import JobEnd, Reason
 from hpcelastic.rundir import RunDir
 
 
@@ -77,6 +77,13 @@ def _failure(e: Mapping[str, Any]) -> str:
         return f"{where}: {error[-1]}"
     how = f"signal {e['signal']}" if e.get("signal") else f"exit code {e.get('exitcode')}"
     return f"{where}, {how}" + (f": {error[-1]}" if error else "")
+
+
+def _stopped(e: Mapping[str, Any]) -> bool:
+    """A job end that is a stop signal's (preemption, time limit) that nothing brought back (no Slurm job),
+    not a failure."""
+    reason = Reason.parse(e.get("reason"))
+    return reason is not None and reason.is_stop
 
 
 def _nodes(names: Any) -> str:
@@ -150,7 +157,11 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     events.REQUEUE_FAILED: lambda e: ("requeue failed", f"{e.get('error')} (fallback: {e.get('fallback')})"),
     events.REQUEUE_SKIPPED: lambda e: ("not requeued", str(e.get("detail") or e.get("reason"))),
     events.JOB_SUCCEEDED: lambda e: ("job succeeded", _exit(e.get("exit_code"))),
-    events.JOB_FAILED: lambda e: ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})"),
+    events.JOB_FAILED: lambda e: (
+        ("job stopped", f"{e.get('reason')}: nothing requeued it; run it again to resume from its checkpoint")
+        if _stopped(e)
+        else ("job failed", f"{e.get('reason')} ({_exit(e.get('exit_code'))})")
+    ),
     events.CANCELLED: lambda e: (
         ("stopped by the user", f"{e['signal']} to hpcelastic run")
         if e.get("signal")
@@ -166,7 +177,14 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     ),
     events.CHECKPOINT_REJECTED: lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
 }
-_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED, events.PROGRESS}
+#: Events with no row: each agent the step's stop stopped (one row per node of a large job) is the stop's.
+_QUIET = {
+    events.WORKERS_STARTED,
+    events.WORKER_FAILED,
+    events.PROGRESS,
+    events.AGENT_STOPPED,
+    events.CHECKPOINT_OPENED,
+}
 _KNOWN = {str(n) for n in EventName}
 
 
@@ -234,7 +252,17 @@ def _outcome(log: EventLog, latest: slurm.JobState | None, local_alive: bool | N
     )
     if e is not None and e["event"] == events.JOB_SUCCEEDED:
         return "succeeded"
-    if e is not None and e["event"] == events.JOB_FAILED and e.get("reason") != JobEnd.CANCELLED:
+    if e is not None and e["event"] == events.JOB_FAILED and _stopped(e):
+        return f"stopped ({e.get('reason')}); not requeued: run it again to resume"
+    if (
+        e is not None
+        and e["event"] == events.JOB_FAILED
+        and e.get("reason")
+        not in (
+            JobEnd.CANCELLED,
+            Reason.CANCELLED,
+        )
+    ):
         return f"failed ({e.get('reason')})"
     if e is not None and e["event"] in (events.JOB_FAILED, events.CANCELLED):
         stop = log.last(events.CANCELLED)

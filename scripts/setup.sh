@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium nftables iptables)
+# prometheus: the metrics test scrapes a running job with a Prometheus server of its own (on loopback).
+apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium nftables iptables prometheus)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -21,6 +22,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [[ " ${missing[*]} " == *" prometheus "* ]]; then
+    # The package starts a system-wide server where an init system lets it; the tests start their own.
+    invoke-rc.d prometheus stop >/dev/null 2>&1 || true
+  fi
 fi
 
 PY=${PYTHON:-python3}

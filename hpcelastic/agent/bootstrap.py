@@ -14,7 +14,7 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpcelastic import handoff
@@ -30,14 +30,13 @@ from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.agent.workers import WorkerConfig, WorkerGroup, start_forkserver
 from hpcelastic.env import slurm
 from hpcelastic.env.base import Environment, NodeContext, Rendezvous
-from hpcelastic.errors import UserError
+from hpcelastic.errors import EXIT_CANCELLED, UserError
 from hpcelastic.lifecycle.attempt_end import end_attempt
 from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
 
 #: The agent's exit code when the run was cancelled before its attempt started (128 + SIGTERM).
-EXIT_CANCELLED = 128 + signal.SIGTERM
 
 
 def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) -> NodeRuntime | int:
@@ -64,6 +63,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         if ctx.is_coordinator
         else None
     )
+    if coordinator is not None:
+        export_metrics(spec, ctx, rdzv, env.environ, stack, coordinator.state.live)
     inbox = Inbox(wake)
     client = CoordinatorClient(
         "127.0.0.1" if coordinator is not None else rdzv.host,
@@ -104,6 +105,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         stop_signal=spec.stop_signal.name.removeprefix("SIG"),
         environ=env.worker_environ(),
         node_rank=ctx.node_rank,
+        console=spec.console,
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)
@@ -246,6 +248,36 @@ def host_coordinator(
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
     return coordinator
+
+
+def export_metrics(
+    spec: AgentSpec,
+    ctx: NodeContext,
+    rdzv: Rendezvous,
+    environ: Mapping[str, str],
+    stack: contextlib.ExitStack,
+    live: Callable[[], Mapping[str, float]],
+) -> None:
+    """The run's OpenMetrics endpoint beside the coordinator (and its textfile); a port that cannot be
+    had costs the figures, never the job."""
+    if spec.metrics_port is None:
+        return
+    from hpcelastic.metrics import Exporter, Identity
+
+    ident = Identity(rdzv.run_dir.run_id, ctx.job_id or rdzv.run_dir.local_job_id, slurm.sluid(environ))
+    try:
+        exporter = Exporter(
+            rdzv.run_dir, ident, rdzv.host, spec.metrics_port, spec.metrics_textfile_dir, live
+        )
+    except OSError as e:
+        say(
+            ctx.node_rank,
+            f"no OpenMetrics endpoint on {rdzv.host}:{spec.metrics_port} ({e.strerror or e}); training "
+            "goes on",
+        )
+        return
+    stack.callback(exporter.close)
+    say(ctx.node_rank, f"metrics: http://{exporter.host}:{exporter.port}/metrics")
 
 
 def fence_bound(timing: Timing) -> float:

@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from hpcelastic.agent import liveness, messages, protocol
+from hpcelastic.agent.console import write_line
 from hpcelastic.agent.event_writer import EventWriter
 from hpcelastic.agent.job_state import Action, JobState, Phase, Record, SaveStacks, Say, Send
 from hpcelastic.events import EventName
@@ -63,7 +64,7 @@ PING_NEIGHBOURS = 8
 #: An answer counts only to one of the last this many probes sent to that agent.
 RECENT_PROBES = 16
 #: The events an agent may have the coordinator write for it.
-AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY})
+AGENT_EVENTS = frozenset({EventName.SIGNAL_RECEIVED, EventName.NODE_UNHEALTHY, EventName.CHECKPOINT_OPENED})
 
 
 @dataclass(eq=False)
@@ -414,7 +415,7 @@ class Coordinator:
                 case Record(event):
                     self.events.record(event)
                 case Say(text):
-                    print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
+                    write_line(f"hpcelastic: {text}")
                 case SaveStacks():
                     threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
@@ -450,7 +451,7 @@ class Coordinator:
             text = f"could not write the stacks of round {a.round}: {e}"
         else:
             text = f"hang: {a.localization.summary()}; all stacks in {path}"
-        print(f"hpcelastic: {text}", file=sys.stderr, flush=True)
+        write_line(f"hpcelastic: {text}")
 
     def _drop_silent(self, now: float) -> None:
         """Drop connections stuck in the handshake; probe suspected agents; drop the lost ones.

@@ -181,6 +181,8 @@ class JobState:
         self.startup_failure: str | None = None
         #: Some rank of this attempt reached a step (in any round).
         self.stepped = False
+        #: Root-cause tracebacks shown on the console (signature -> times): a repeat is named, not printed.
+        self.shown_tracebacks: dict[str, int] = {}
         self.departed: set[int] = set()
         #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
         self.leaving: dict[int, tuple[str, float]] = {}
@@ -227,6 +229,24 @@ class JobState:
             return self._start_round()
         return self._check_stopped()
 
+    def live(self) -> dict[str, float]:
+        """The current round's figures for the metrics endpoint (read from its thread: plain values only):
+        round, world size, and, once heartbeats came, the highest step and the steps per second since the
+        round's first one."""
+        out: dict[str, float] = {}
+        if self.round < 0:
+            return out
+        out["round"] = float(self.round)
+        out["world_size"] = float(
+            sum(self.members[n].nproc for n in list(self.round_nodes) if n in self.members)
+        )
+        st = self.steps
+        if st.step is not None:
+            out["step"] = float(st.step)
+            if st.first is not None and st.ts > st.first[1]:
+                out["step_rate"] = (st.step - st.first[0]) / (st.ts - st.first[1])
+        return out
+
     def missing(self) -> list[str]:
         """The nodes (``rank (host)``) that have not joined."""
         return [f"{i} ({h})" for i, h in enumerate(self.hosts) if i not in self.members]
@@ -248,10 +268,11 @@ class JobState:
 
     def _settle_leaving(self) -> list[Action]:
         """The held signalled departures become losses (the coordinator's own node first)."""
+        everyone = set(self.leaving) >= set(self.members)  # the step's stop, not one node's loss
         leaving, self.leaving, self.leaving_until = self.leaving, {}, None
         actions: list[Action] = []
         for n, (reason, ts) in sorted(leaving.items()):
-            actions += self.lost(n, reason, signalled_at=ts)
+            actions += self.lost(n, reason, signalled_at=ts, stopped=everyone)
         return actions
 
     def lost(
@@ -262,9 +283,10 @@ class JobState:
         unhealthy: bool = False,
         signalled_at: float | None = None,
         silent: bool = False,
+        stopped: bool = False,
     ) -> list[Action]:
         """An agent's connection closed or went ``silent``, or it left (a bad node, or stopped by a signal
-        delivered at ``signalled_at``)."""
+        delivered at ``signalled_at``; ``stopped``: with every other agent, the step's stop)."""
         member = self.members.pop(node_rank, None)
         self._alive_nodes.discard(node_rank)
         if member is None or self.phase is Phase.FINISHED:
@@ -272,7 +294,9 @@ class JobState:
         if silent:
             self.fence_until = max(self.fence_until, self._now() + self.fence_s)
             self.silent_hosts.add(member.host)
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        actions = self._departed(
+            node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
+        )
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
@@ -365,16 +389,19 @@ class JobState:
             spawned = max(self.started.values())
             how = {self.spawns[n][0] for n in self.started}
             cold = {str(n): self.spawns[n][1] for n in sorted(self.started) if self.spawns[n][0] == "cold"}
+            kind = how.pop() if len(how) == 1 else "mixed"
+            up = Say(f"round {self.round}: {world} workers up on {len(self.started)} node(s) ({kind} start)")
             return [
+                up,
                 Record(
                     events.workers_started(
                         round=self.round,
                         world_size=world,
                         spawned_ts=spawned,
-                        spawn=how.pop() if len(how) == 1 else "mixed",
+                        spawn=kind,
                         cold_reasons=cold,
                     )
-                )
+                ),
             ]
         return []
 
@@ -446,9 +473,18 @@ class JobState:
         st.step, st.ts, st.unmarked = step, ts, True
         now = self._now()
         if st.marked_at is None:
-            return [self._progress_mark(events.ProgressMark.FIRST)]
+            st.first = (step, ts)
+            return [
+                self._progress_mark(events.ProgressMark.FIRST),
+                Say(f"round {self.round}: training, step {step}"),
+            ]
         if now - st.marked_at >= events.PROGRESS_INTERVAL_S:
-            return [self._progress_mark(events.ProgressMark.PERIODIC)]
+            first_step, first_ts = st.first or (step, ts)
+            rate = (step - first_step) / (ts - first_ts) if ts > first_ts else 0.0
+            return [
+                self._progress_mark(events.ProgressMark.PERIODIC),
+                Say(f"round {self.round}: step {step}, {rate:.3g} steps/s"),
+            ]
         return []
 
     def _progress_mark(self, mark: events.ProgressMark) -> Record:
@@ -601,15 +637,22 @@ class JobState:
         return LostNode(node_rank, host, reason, ts, round_, signalled_at is not None)
 
     def _departed(
-        self, node_rank: int, member: Member, reason: str, *, unhealthy: bool, signalled_at: float | None
+        self,
+        node_rank: int,
+        member: Member,
+        reason: str,
+        *,
+        unhealthy: bool,
+        signalled_at: float | None,
+        stopped: bool = False,
     ) -> list[Action]:
         """Book an agent that left: an unhealthy node is bad; one that vanished is suspect for the next
-        attempt; one a signal stopped (Slurm ending the step) is neither."""
+        attempt; one a signal stopped (Slurm ending the step) is neither, and with all others (``stopped``)
+        no node was lost at all."""
         if unhealthy:
             self.bad_nodes.append(member.host)
-        actions: list[Action] = [
-            Record(events.node_lost(node_rank=node_rank, node=member.host, reason=reason))
-        ]
+        record = events.agent_stopped if stopped else events.node_lost
+        actions: list[Action] = [Record(record(node_rank=node_rank, node=member.host, reason=reason))]
         if signalled_at is None and not unhealthy:
             before = len(self.suspects())
             self.vanished.append((member.host, self._now()))
@@ -705,11 +748,26 @@ class JobState:
         if found is None:
             return []
         cause, traceback, exit_ts = found
-        where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
-        text = f"root cause (round {self.round}): {where}: {cause['error']}"
-        if traceback:
-            text += "\n" + traceback.rstrip()
+        text = self.cause_text(f"root cause (round {self.round})", cause, traceback)
         return [Record(events.root_cause(cause, traceback=traceback, exit_ts=exit_ts)), Say(text)]
+
+    def cause_text(self, head: str, cause: Failure, traceback: str) -> str:
+        """The console's root-cause line: where and what, how many other ranks failed alike, and the
+        traceback the first time it is seen (a repeat is counted, its text is in the rank logs)."""
+        where = f"rank {cause['rank']} on {cause['node']}" if cause.get("rank") is not None else cause["node"]
+        text = f"{head}: {where}: {cause['error']}"
+        alike = sum(
+            1 for f in self.failures if f is not cause and traceback and f.get("traceback") == traceback
+        )
+        if alike:
+            text += f" ({alike} other rank(s) failed with the same traceback)"
+        if not traceback:
+            return text
+        key = root_cause_signature({**cause, "traceback": traceback})
+        seen = self.shown_tracebacks[key] = self.shown_tracebacks.get(key, 0) + 1
+        if seen > 1:
+            return text + f"; the same traceback as before ({seen} times now; the rank logs have it)"
+        return text + "\n" + traceback.rstrip()
 
     def _round_cause(self) -> tuple[dict[str, Any], str, float | None] | None:
         """The round's first failure (cause, traceback, time), job-wide: a vanished node before any
@@ -805,3 +863,5 @@ class _RoundSteps:
     ranks: dict[int, int] = field(default_factory=dict)
     marked_at: float | None = None
     unmarked: bool = False
+    #: The round's first reported (step, time): its step rate is counted from there.
+    first: tuple[int, float] | None = None

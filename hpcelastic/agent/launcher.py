@@ -28,7 +28,7 @@ import psutil
 from hpcelastic import events
 from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.env.base import listen
-from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK
+from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED_FOR_REQUEUE
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -65,6 +65,8 @@ class LocalRun:
     spare_nodes: int = 0
     replica_groups: int | None = None
     min_replica_groups: int | None = None
+    console: str | None = None
+    metrics_port: int | None = None
 
     @property
     def agents(self) -> int:
@@ -91,6 +93,8 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]
         grace_period=spec.grace_period,
         replica_groups=spec.replica_groups,
         min_replica_groups=spec.min_replica_groups,
+        console=spec.console,
+        metrics_port=spec.metrics_port,
         module=spec.module,
         program=spec.program,
     )
@@ -157,7 +161,10 @@ def run_local(spec: LocalRun) -> int:
             file=sys.stderr,
         )
         return 128 + stops[0]
-    outcome = "succeeded" if code == EXIT_OK else "failed"
+    if code == EXIT_STOPPED_FOR_REQUEUE:  # a stop signal: no Slurm here to bring the job back
+        outcome = "stopped on the stop signal (nothing requeues a local run: run it again to resume)"
+    else:
+        outcome = "succeeded" if code == EXIT_OK else "failed"
     print(f"hpcelastic: job {outcome} (exit code {code}); {where}", file=sys.stderr)
     return code
 

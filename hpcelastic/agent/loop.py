@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import selectors
 import signal
+import threading
 import time
 
 from hpcelastic import events
@@ -22,6 +24,7 @@ from hpcelastic.agent.batch_host import batch_shell_dead, beat_path
 from hpcelastic.agent.bootstrap import end_of_attempt
 from hpcelastic.agent.hangwatch import HangWatch
 from hpcelastic.agent.progress import StepReporter
+from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, NodeRuntime
 from hpcelastic.agent.stop_step import StepRate, stop_file_text
 from hpcelastic.agent.workers import Worker, parse_heartbeat
@@ -76,6 +79,8 @@ class NodeLoop:
         self.stop_at: int | None = None
         self.steps_at_stop: dict[int, int | None] = {}
         self.stopped_here: set[int] = set()
+        #: Which checkpoint the current round opens before its first step (group rank 0 only).
+        self.resume_watch: ResumeWatch | None = None
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -98,6 +103,7 @@ class NodeLoop:
             try:
                 self._loop()
             finally:
+                self._end_resume_watch()
                 if self.hangs is not None:
                     self.hangs.close()
         assert self.exit_code is not None
@@ -125,6 +131,8 @@ class NodeLoop:
                     rt.inbox.wake.drain()
                 elif key.data == "hb":
                     self._read_heartbeats()
+                elif key.data == "ckpt":
+                    self._on_checkpoint_read()
                 else:
                     self._on_worker_exit(key.data[1])
             self._drain_signals()
@@ -158,6 +166,7 @@ class NodeLoop:
             client.send(messages.Stopped(msg.round))
             return
         self.state = State.RUNNING
+        self._watch_resume(msg)
         spawned = group.start(msg)
         if self.hangs is not None:
             workers = [(w.rank, w.proc.pid) for w in group.workers]
@@ -173,6 +182,7 @@ class NodeLoop:
         self._begin_preempt(msg.signal or self.rt.spec.stop_signal.name, local=False)
 
     def _on_finish(self, msg: messages.Finish) -> None:
+        self._end_resume_watch()
         self.rt.group.stop(RESTART_KILL_GRACE)
         self.state = State.DONE
         if msg.message:
@@ -180,6 +190,7 @@ class NodeLoop:
         self.exit_code = self._end(msg.reason, msg.bad_nodes, msg.unreachable)
 
     def _on_lost(self, msg: messages.Lost) -> None:
+        self._end_resume_watch()
         self.rt.group.stop(RESTART_KILL_GRACE)
         self.state = State.DONE
         self.rt.say(f"coordinator lost: {msg.reason}; stopping this node's workers")
@@ -244,6 +255,7 @@ class NodeLoop:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
         if self.hangs is not None:
             self.hangs.unwatch()
+        self._end_resume_watch()
         self._flush_steps()
         group = self.rt.group
         failures = tuple(group.failure(w) for w in group.reap_failed())
@@ -282,6 +294,8 @@ class NodeLoop:
                 return
             beat = parse_heartbeat(data)
             if beat is not None:
+                if beat[1] is not None:
+                    self._end_resume_watch()  # stepping: a resume lies behind
                 self.rt.group.beat(*beat)
                 if self.hangs is not None:
                     self.hangs.heartbeat(*beat)
@@ -303,6 +317,53 @@ class NodeLoop:
         msg = self.steps.flush()
         if msg is not None:
             self.rt.client.send(msg)
+
+    # ---- what the round resumed from (agent/resume_watch.py) ----------------------------------
+    def _watch_resume(self, msg: messages.Round) -> None:
+        """From the round's start until its first step: the checkpoint its workers read (one node
+        watches: the round's group rank 0; torchft groups heal from a peer, not from a file)."""
+        self._end_resume_watch()
+        if msg.group_rank != 0 or msg.num_replica_groups:
+            return
+        try:
+            self.resume_watch = ResumeWatch(self.rt.group.checkpoint_dir, msg.round)
+        except OSError as e:  # no inotify (a container without it, the watch limit): no evidence, no harm
+            self.rt.say(f"cannot watch the checkpoint directory for what this round resumes from: {e}")
+            return
+        self.rt.selector.register(self.resume_watch, selectors.EVENT_READ, "ckpt")
+
+    def _on_checkpoint_read(self) -> None:
+        watch = self.resume_watch
+        file = watch.take() if watch is not None else None
+        if watch is None or file is None:
+            return
+        self._end_resume_watch()
+        args = (watch.root, file, watch.round)
+        threading.Thread(
+            target=self._report_checkpoint, args=args, name="resume-evidence", daemon=True
+        ).start()
+
+    def _report_checkpoint(self, root: str, file: str, round_: int) -> None:
+        """On a thread of its own: the checkpoint read, for the coordinator (``checkpoint_opened``)."""
+        opened = describe(root, file)
+        self._event(
+            events.checkpoint_opened(
+                attempt=self.rt.attempt,
+                round=round_,
+                node_rank=self.rt.ctx.node_rank,
+                path=opened.path,
+                file=opened.file,
+                completed_ts=opened.completed_ts,
+                newest=opened.newest,
+            )
+        )
+
+    def _end_resume_watch(self) -> None:
+        watch, self.resume_watch = self.resume_watch, None
+        if watch is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.rt.selector.unregister(watch)
+            watch.close()
 
     # ---- signals, preemption, health --------------------------------------------------------
     def _drain_signals(self) -> None:

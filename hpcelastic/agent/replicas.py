@@ -64,9 +64,15 @@ def check_groups(num_nodes: int, groups: int, min_groups: int) -> str | None:
     if groups < 1 or min_groups < 1:
         return "--replica-groups and --min-replica-groups must be at least 1"
     if min_groups > groups:
-        return f"--min-replica-groups {min_groups} exceeds --replica-groups {groups}"
+        return (
+            f"--min-replica-groups {min_groups} exceeds --replica-groups {groups}; lower "
+            f"--min-replica-groups to {groups} or fewer"
+        )
     if groups > 1 and num_nodes % groups:
-        return f"{num_nodes} node(s) do not split into {groups} replica groups of equal size"
+        return (
+            f"{num_nodes} node(s) do not split into {groups} replica groups of equal size; pick --nodes "
+            f"as a multiple of --replica-groups"
+        )
     return None
 
 
@@ -247,8 +253,9 @@ class ReplicaJobState(JobState):
             )
         if 0 not in self.members:
             return self._job_wide_stop(g.cause)
+        actions += self._group_cause(g)
         if g.restarts >= self.max_restarts:
-            return self._drop(g, f"its restart budget ({self.max_restarts}) is spent")
+            return actions + self._drop(g, f"its restart budget ({self.max_restarts}) is spent")
         g.restarts += 1
         g.nodes = alive
         actions += [
@@ -269,6 +276,15 @@ class ReplicaJobState(JobState):
             ),
         ]
         return actions + self._start_group(g)
+
+    def _group_cause(self, g: Group) -> list[Action]:
+        """The console line of the group's first failure in its round, with its traceback (once)."""
+        found = [f for f in self.failures if f.get("round") == g.round and f.get("node_rank") in g.nodes]
+        if not found:
+            return []
+        cause = min(found, key=lambda f: f.get("ts") or 0.0)
+        return [Say(self.cause_text(f"replica group {g.index}: root cause (round {g.round})", cause,
+                                    cause.get("traceback") or ""))]  # fmt: skip
 
     def _spares(self) -> list[int]:
         """Joined nodes in no live group: hot spares, and the nodes of groups left out."""
@@ -312,15 +328,23 @@ class ReplicaJobState(JobState):
         unhealthy: bool = False,
         signalled_at: float | None = None,
         silent: bool = False,
+        stopped: bool = False,
     ) -> list[Action]:
         g = self.group_of(node_rank)
         if self.phase is not Phase.RUNNING or g is None or node_rank not in self.members:
             return super().lost(
-                node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at, silent=silent
+                node_rank,
+                reason,
+                unhealthy=unhealthy,
+                signalled_at=signalled_at,
+                silent=silent,
+                stopped=stopped,
             )
         member = self.members.pop(node_rank)
         self._alive_nodes.discard(node_rank)
-        actions = self._departed(node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at)
+        actions = self._departed(
+            node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
+        )
         self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)

@@ -11,13 +11,13 @@ import os
 import queue
 import selectors
 import socket
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcelastic.agent import liveness
 from hpcelastic.agent.client import CoordinatorClient
+from hpcelastic.agent.console import write_line
 from hpcelastic.agent.coordinator import Coordinator
 from hpcelastic.agent.health import GpuHealth
 from hpcelastic.agent.messages import Message
@@ -151,4 +151,4 @@ class NodeRuntime:
 
 def say(node_rank: int, text: str) -> None:
     """One line from this agent on standard error."""
-    print(f"hpcelastic[agent {node_rank}]: {text.rstrip()}", file=sys.stderr, flush=True)
+    write_line(f"hpcelastic[agent {node_rank}]: {text.rstrip()}")

@@ -29,6 +29,7 @@ DEFAULT_GRACE_PERIOD = float(sites.default("requeue.grace_period"))
 DEFAULT_REQUEUE_MODE: str = sites.default("requeue.mode")
 DEFAULT_MAX_REQUEUES: int = sites.default("requeue.max_requeues")
 REQUEUE_MODES: tuple[str, ...] = sites.SCHEMA["requeue.mode"].choices or ()
+DEFAULT_CONSOLE: str = sites.default("console")
 
 if TYPE_CHECKING:
     from hpcelastic.env.base import BootstrapOptions
@@ -63,6 +64,11 @@ class AgentSpec:
     min_replica_groups: int = 1
     #: Fork workers from a fork server that has imported torch (agent/forkserver.py).
     warm_start: bool = True
+    #: Which workers' output reaches the console (agent/console.py); all of it reaches the rank logs.
+    console: str = DEFAULT_CONSOLE
+    #: The coordinator's OpenMetrics port (0: a free one; None: no endpoint) and textfile directory.
+    metrics_port: int | None = 0
+    metrics_textfile_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,10 @@ class AgentCommand:
     replica_groups: int | None = None
     min_replica_groups: int | None = None
     no_warm_start: bool = False
+    console: str | None = None
+    metrics_port: int | None = None
+    no_metrics: bool = False
+    metrics_textfile_dir: Path | None = None
     module: bool = False
     program: tuple[str, ...] = field(default=())
 
@@ -138,6 +148,9 @@ class AgentCommand:
             replica_groups=self.replica_groups or 1,
             min_replica_groups=self.min_replica_groups or 1,
             warm_start=not self.no_warm_start,
+            console=self.console or DEFAULT_CONSOLE,
+            metrics_port=None if self.no_metrics else (self.metrics_port or 0),
+            metrics_textfile_dir=self.metrics_textfile_dir.absolute() if self.metrics_textfile_dir else None,
         )
 
 

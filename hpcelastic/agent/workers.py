@@ -36,6 +36,7 @@ import psutil
 
 from hpcelastic import handoff
 from hpcelastic.agent import cpus
+from hpcelastic.agent.console import WorkerConsole
 from hpcelastic.agent.forkserver import ForkServer, ForkServerError, WarmProc, warm_script
 from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
@@ -52,7 +53,6 @@ KILL_WAIT_S = 5.0
 #: The variable whose value (:func:`tree_marker`) marks every process of this agent's workers' trees.
 TREE_VARIABLE = "HPCELASTIC_WORKER_TREE"
 _libc = ctypes.CDLL(None, use_errno=True)
-_OUT_LOCK = threading.Lock()
 
 
 def _child_setup(ignore: tuple[int, ...] = (), share: cpus.Share | None = None) -> None:
@@ -175,6 +175,7 @@ class WorkerConfig:
     stop_signal: str
     environ: Mapping[str, str]
     node_rank: int
+    console: str = "all"  # which workers' output reaches the console (agent/console.py)
 
 
 #: Never handed to workers (the launcher's own variables are already gone: ``Environment.worker_environ``).
@@ -282,10 +283,6 @@ def read_error_file(path: Path) -> tuple[str, str] | None:
     return None
 
 
-#: torchft's Rust INFO lines (one per quorum and commit): kept in the rank log, not in the job's output.
-#: Matched anywhere in the line: its timestamp is written apart from the rest and another thread's output
-#: can land between the two (seen in CI as a line that began " [INFO] [torchft::manager]").
-_RANK_LOG_ONLY = re.compile(rb"\[INFO\] \[torchft::")
 _TORCH_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
 
 
@@ -321,6 +318,7 @@ class Worker:
     last_save: float | None = None
     step: int | None = None
     exit_ts: float | None = None
+    console: WorkerConsole | None = None
 
     @property
     def activity(self) -> float | None:
@@ -379,6 +377,7 @@ class WorkerGroup:
             proc, pidfd = self._spawn(argv, env, share, first=local_rank == 0)
             self._watchdog.add(proc.pid)
             worker = Worker(local_rank, rank, proc, pidfd, error_file, time.time())
+            worker.console = WorkerConsole(self.cfg.console, rank, rnd.replica_group, self._out_fd)
             worker.reader = threading.Thread(
                 target=self._tee, args=(worker,), daemon=True, name=f"tee-rank{rank}"
             )
@@ -440,7 +439,17 @@ class WorkerGroup:
         worker.exit_ts = time.time()
         code = worker.proc.wait()
         self._unregister(worker)
+        self._end_console(worker, failed=code != 0)
         return code
+
+    @staticmethod
+    def _end_console(worker: Worker, failed: bool) -> None:
+        """The worker's output is all read (or 1 s passed): its held traceback is shown or left to the
+        root cause (agent/console.py)."""
+        if worker.reader is not None:
+            worker.reader.join(timeout=1.0)
+        if worker.console is not None:
+            worker.console.finish(failed)
 
     def reap_failed(self) -> list[Worker]:
         """Collect workers that already exited non-zero on their own but whose exit is not processed yet.
@@ -495,6 +504,11 @@ class WorkerGroup:
                         os.kill(pid, sig)
         return uncaught
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """The workers' checkpoint directory (a real path)."""
+        return self._checkpoint_dir
+
     def saving(self, worker: Worker) -> list[str]:
         """Files in the checkpoint dir that ``worker`` or a descendant holds open for writing."""
         files = []
@@ -536,8 +550,7 @@ class WorkerGroup:
             if w.exit_ts is None:
                 w.exit_ts = time.time()
             self._unregister(w)
-            if w.reader is not None:
-                w.reader.join(timeout=1.0)
+            self._end_console(w, failed=w.proc.returncode != 0)
             self._watchdog.remove(w.proc.pid)
         self.workers = []
 
@@ -604,32 +617,26 @@ class WorkerGroup:
             worker.pidfd = -1
 
     def _tee(self, worker: Worker) -> None:
-        """Copy the worker's output to its rank log and, prefixed with the rank, to the agent's output."""
-        assert worker.proc.stdout is not None and self.round is not None
-        prefix = f"[rank{worker.rank}]: ".encode()
-        log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank)
+        """Copy the worker's output to its rank log and, as its console allows, to the agent's output."""
+        assert worker.proc.stdout is not None and self.round is not None and worker.console is not None
+        log_path = self.cfg.run_dir.rank_log_path(self.cfg.attempt, worker.rank, self.round.replica_group)
         with open(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log:
             header = (
                 f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"
             )
             log.write(header.encode())
-            _copy_lines(worker.proc.stdout, log, prefix, worker.tail, self._out_fd)
+            _copy_lines(worker.proc.stdout, log, worker.tail, worker.console)
         worker.proc.stdout.close()
 
 
-def _copy_lines(
-    src: BinaryIO, log: BinaryIO, prefix: bytes, tail: collections.deque[str], out_fd: int
-) -> None:
+def _copy_lines(src: BinaryIO, log: BinaryIO, tail: collections.deque[str], console: WorkerConsole) -> None:
     for line in iter(src.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         log.write(line)
         log.flush()
         tail.append(line.decode(errors="replace").rstrip("\n"))
-        if _RANK_LOG_ONLY.search(line):
-            continue
-        with _OUT_LOCK, contextlib.suppress(OSError):
-            os.write(out_fd, prefix + line)
+        console.line(line)
 
 
 def adopt_orphans() -> None:

@@ -14,6 +14,7 @@ import click
 
 from hpcelastic.agent.launcher import LOCAL_GRACE_PERIOD, LOCAL_RDZV_TIMEOUT
 from hpcelastic.agent.spec import (
+    DEFAULT_CONSOLE,
     DEFAULT_GRACE_PERIOD,
     DEFAULT_MAX_REQUEUES,
     DEFAULT_MAX_RESTARTS,
@@ -25,15 +26,36 @@ from hpcelastic.agent.spec import (
 )
 from hpcelastic.env.base import BootstrapOptions
 from hpcelastic.errors import UserError
-from hpcelastic.parse import AUTO, MAX_GRACE_PERIOD_S, parse_nodes, parse_nproc
+from hpcelastic.parse import (
+    AUTO,
+    CONSOLE_MODES,
+    MAX_GRACE_PERIOD_S,
+    MIN_STALL_TIMEOUT_S,
+    parse_nodes,
+    parse_nproc,
+)
 
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+_STALL_HELP = "Seconds without progress = hang."
 _PROGRAM = click.argument("program", nargs=-1, type=click.UNPROCESSED)
 
 
 def _default(value: Any) -> str:
     """``[default: X]`` for options whose unset value (None) means the schema's default."""
     return f"  [default: {value.name.removeprefix('SIG') if hasattr(value, 'name') else value}]"
+
+
+_CONSOLE = click.option(
+    "--console",
+    type=click.Choice(CONSOLE_MODES),
+    help="Worker output shown: every rank's, rank 0's, or failures only (all of it is in the rank logs)."
+    + _default(DEFAULT_CONSOLE),
+)
+_METRICS_PORT = click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="The coordinator's OpenMetrics port [default: a free one, in RUN/metrics.json].",
+)
 
 
 @click.command(context_settings=_CONTEXT)
@@ -59,7 +81,9 @@ def _default(value: Any) -> str:
     type=click.FloatRange(min=1),
     help="Rendezvous time-out." + _default(BootstrapOptions.timeout),
 )
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
+@click.option(
+    "--stall-timeout", type=click.FloatRange(min=MIN_STALL_TIMEOUT_S), help="Seconds without progress = hang."
+)
 @click.option("--signal", help="Preemption signal." + _default(DEFAULT_SIGNAL))
 @click.option(
     "--grace-period",
@@ -77,6 +101,14 @@ def _default(value: Any) -> str:
 @click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
 @click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
+@_CONSOLE
+@_METRICS_PORT
+@click.option("--no-metrics", is_flag=True, help="Serve no OpenMetrics endpoint.")
+@click.option(
+    "--metrics-textfile-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Write hpcelastic_<run id>.prom there (node-exporter's textfile collector).",
+)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def agent(**params: Any) -> None:
@@ -103,7 +135,9 @@ def agent(**params: Any) -> None:
 @click.option("--nproc-per-node", default=AUTO, show_default=True, help="Workers per agent, or 'auto'.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=DEFAULT_MAX_RESTARTS, show_default=True)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="Default: ./hpcelastic-runs/local-<stamp>.")
-@click.option("--stall-timeout", type=click.FloatRange(min=0.1), help="Seconds without progress = hang.")
+@click.option(
+    "--stall-timeout", type=click.FloatRange(min=MIN_STALL_TIMEOUT_S), help="Seconds without progress = hang."
+)
 @click.option("--rdzv-timeout", type=click.FloatRange(min=1), default=LOCAL_RDZV_TIMEOUT, show_default=True)
 @click.option(
     "--grace-period",
@@ -114,6 +148,8 @@ def agent(**params: Any) -> None:
 @click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
 @click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
+@_CONSOLE
+@_METRICS_PORT
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def run(
@@ -128,6 +164,8 @@ def run(
     replica_groups: int | None,
     min_replica_groups: int | None,
     no_warm_start: bool,
+    console: str | None,
+    metrics_port: int | None,
     module: bool,
     program: tuple[str, ...],
 ) -> None:
@@ -165,5 +203,7 @@ def run(
         replica_groups=replica_groups,
         min_replica_groups=min_replica_groups,
         agent_args=("--no-warm-start",) if no_warm_start else (),
+        console=console,
+        metrics_port=metrics_port,
     )
     sys.exit(run_local(spec))

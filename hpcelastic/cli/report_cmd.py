@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import click
@@ -43,15 +42,17 @@ def write_atomically(path: Path, text: str) -> None:
 def report(run: str, output: Path | None) -> None:
     """Write an HTML page of where the run's time went: a timeline of attempts, rounds, failures and
     checkpoints, and the lost time by cause. One file, viewable offline in any browser."""
-    from hpcelastic.ledger import build_ledger
+    from hpcelastic.ledger import ratio_text
     from hpcelastic.report import render_report
+    from hpcelastic.status import build_status
 
     rd = resolve_run(run)
     log = rd.events()
-    ledger = build_ledger(log, now=time.time())
+    ledger = build_status(rd).ledger  # as status has it: a dead run's clock stopped at its newest event
+    assert ledger is not None
     path = output if output is not None else rd.path / "report.html"
     write_atomically(path, render_report(ledger, log, run=str(rd.path)))
-    ratio = f"{100 * ledger.ettr:.1f} %" if ledger.ettr is not None else "n/a"
+    ratio = ratio_text(ledger)
     reps = ledger.replica_groups
     groups = sum(len(lane.incidents) for lane in reps.lanes) if reps is not None else 0
     more = f", {groups} in replica groups" if groups else ""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
+
+from hpcelastic.errors import EXIT_USAGE
 
 
 @click.group(short_help="List, show and validate site configurations.")
@@ -66,5 +69,11 @@ def validate(file: Path) -> None:
         from hpcelastic.errors import UserError
 
         raise UserError(f"{file} does not exist")
-    flat = s.validate(s.load_yaml(file), str(file))
+    flat, found = s.check(s.load_yaml(file), str(file))
+    if found:
+        for line in found:
+            click.echo(f"hpcelastic: error: {line}", err=True)
+        if len(found) > 1:
+            click.echo(f"{file}: {len(found)} problems; fix them and run again", err=True)
+        sys.exit(EXIT_USAGE)
     click.echo(f"{file}: OK ({len(flat)} key{'s' if len(flat) != 1 else ''} set)")

@@ -73,16 +73,23 @@ def _attempts_with_logs(rd: RunDir) -> list[int]:
     return sorted(found)
 
 
-def _ranks_with_logs(attempt_dir: Path) -> list[int]:
+def _ranks_with_logs(attempt_dir: Path, group: int | None) -> list[int]:
+    """The ranks (of replica group ``group``, when given) with a log in the attempt's directory."""
     ranks = []
-    for f in attempt_dir.glob("rank-*.log"):
-        middle = f.name[len("rank-") : -len(".log")]
+    tail = ".log" if group is None else f"-g{group}.log"
+    for f in attempt_dir.glob(f"rank-*{tail}"):
+        middle = f.name[len("rank-") : -len(tail)]
         if middle.isdigit():
             ranks.append(int(middle))
     return sorted(ranks)
 
 
-def _log_file(rd: RunDir, rank: int, attempt: int | None) -> tuple[Path, int]:
+def _groups_with_logs(attempt_dir: Path) -> list[int]:
+    found = {f.name.rsplit("-g", 1)[1][: -len(".log")] for f in attempt_dir.glob("rank-*-g*.log")}
+    return sorted(int(g) for g in found if g.isdigit())
+
+
+def _log_file(rd: RunDir, rank: int, attempt: int | None, group: int | None = None) -> tuple[Path, int]:
     attempts = _attempts_with_logs(rd)
     if not attempts:
         raise UserError(
@@ -96,13 +103,20 @@ def _log_file(rd: RunDir, rank: int, attempt: int | None) -> tuple[Path, int]:
             f"no logs for attempt {attempt} in {rd.path}; attempts with logs: {_numbers(attempts)}"
         )
     attempt_dir = rd.logs_path / f"attempt-{attempt}"
-    ranks = _ranks_with_logs(attempt_dir)
+    groups = _groups_with_logs(attempt_dir)
+    if group is None and groups and not _ranks_with_logs(attempt_dir, None):
+        raise UserError(
+            f"attempt {attempt} of {rd.path} ran torchft replica groups: name one with --group "
+            f"(groups with logs: {_numbers(groups)})"
+        )
+    ranks = _ranks_with_logs(attempt_dir, group)
+    where = f"rank {rank}" + (f" of replica group {group}" if group is not None else "")
     if rank not in ranks:
         raise UserError(
-            f"no log for rank {rank} in attempt {attempt} of {rd.path}; "
+            f"no log for {where} in attempt {attempt} of {rd.path}; "
             f"ranks with logs: {_numbers(ranks) or 'none'}"
         )
-    return attempt_dir / f"rank-{rank}.log", attempt
+    return rd.rank_log_path(attempt, rank, -1 if group is None else group), attempt
 
 
 def _numbers(values: list[int]) -> str:
@@ -150,12 +164,13 @@ def _follow(rd: RunDir, path: Path, attempt: int) -> None:
 @click.command("logs")
 @click.argument("run", metavar="RUN_DIR|JOB_ID")
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="Global rank.")
+@click.option("--group", type=click.IntRange(min=0), default=None, help="torchft replica group (its ranks).")
 @click.option("--attempt", type=click.IntRange(min=0), default=None, help="Attempt number [default: latest].")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the attempt ends.")
-def logs(run: str, rank: int, attempt: int | None, follow: bool) -> None:
+def logs(run: str, rank: int, group: int | None, attempt: int | None, follow: bool) -> None:
     """Show one rank's worker log of one attempt."""
     rd = resolve_run(run)
-    path, attempt = _log_file(rd, rank, attempt)
+    path, attempt = _log_file(rd, rank, attempt, group)
     if follow:
         _follow(rd, path, attempt)
         return

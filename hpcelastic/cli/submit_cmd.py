@@ -6,12 +6,15 @@ of a submission's options (the Python API takes the same names as keywords).
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Callable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
+from hpcelastic.errors import UserError
 from hpcelastic.jobs.options import SUBMIT_OPTIONS, SubmitOption
 
 
@@ -19,11 +22,28 @@ def _click_option(option: SubmitOption) -> Callable[[Any], Any]:
     flags = (option.short, option.flag) if option.short else (option.flag,)
     kind: Any = click.Choice(option.choices) if option.choices else option.type
     extra: dict[str, Any] = {"is_flag": True} if option.is_flag else {"type": kind}
+    text = option.help
+    if option.negatable:  # None unless given: the site's setting stays in force
+        flags, extra = (f"{option.flag}/--no-{option.flag[2:]}",), {"default": None}
     if option.default is not None:
         extra.update(default=option.default, show_default=True)
+    elif option.shown_default is not None:
+        shown = option.shown_default
+        text += f"  [default: {str(shown).lower() if isinstance(shown, bool) else shown}]"
     return click.option(
-        *flags, option.name, envvar=option.envvar, multiple=option.multiple, help=option.help, **extra
+        *flags, option.name, envvar=option.envvar, multiple=option.multiple, help=text, **extra
     )
+
+
+def _from_environment(ctx: click.Context, error: UserError) -> UserError:
+    """``error`` naming the ``HPCELASTIC_<OPTION>`` variables it is about, when their values came from
+    the environment (``HPCELASTIC_NODES=abc``: the user never typed ``--nodes``)."""
+    named = [
+        f"{o.envvar}={os.environ.get(o.envvar, '')}"
+        for o in SUBMIT_OPTIONS
+        if ctx.get_parameter_source(o.name) is ParameterSource.ENVIRONMENT and o.flag in str(error)
+    ]
+    return UserError(f"{', '.join(named)}: {error}") if named else error
 
 
 def _with_submit_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,7 +69,10 @@ def submit(script: str, script_args: tuple[str, ...], dry_run: bool, json: bool,
     """
     from hpcelastic import api
 
-    spec = api.prepare(script, script_args, **options)
+    try:
+        spec = api.prepare(script, script_args, **options)
+    except UserError as e:
+        raise _from_environment(click.get_current_context(), e) from None
     if dry_run:
         _dry_run(spec, json)
         return

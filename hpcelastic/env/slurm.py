@@ -64,6 +64,8 @@ class SlurmFacts:
     gpus_on_node: int | None = None
     step_gpus: str | None = None
     job_gpus: str | None = None
+    #: Slurm 25.11: the job's id unique across the cluster's job id reuse (metrics label runs with it).
+    sluid: str | None = None
 
 
 # Each fact and the variable(s) Slurm sets it in, the first set one wins (as submitit's JobEnvironment).
@@ -82,6 +84,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "gpus_on_node": ("SLURM_GPUS_ON_NODE",),
     "step_gpus": ("SLURM_STEP_GPUS",),
     "job_gpus": ("SLURM_JOB_GPUS",),
+    "sluid": ("SLURM_JOB_SLUID",),
 }
 _INTS = frozenset(name for name, hint in get_type_hints(SlurmFacts).items() if int in get_args(hint))
 
@@ -117,6 +120,12 @@ def job_id(environ: Mapping[str, str]) -> str | None:
     if array_job and task:
         return f"{array_job[1]}_{task[1]}"
     found = variable(environ, "job_id")
+    return found[1] if found else None
+
+
+def sluid(environ: Mapping[str, str]) -> str | None:
+    """``SLURM_JOB_SLUID`` (Slurm 25.11 and later): the job's cluster-unique id; None before 25.11."""
+    found = variable(environ, "sluid")
     return found[1] if found else None
 
 

@@ -36,6 +36,8 @@ class SubmitOption:
     is_flag: bool = False
     short: str | None = None
     cli_only: bool = False  # not a keyword of the Python API (how the CLI reports, not what it submits)
+    negatable: bool = False  # a boolean with an off switch: --warm-start/--no-warm-start (unset: the site's)
+    shown_default: Any = None  # the default --help shows when the site layers decide it (not set on click)
 
     @property
     def flag(self) -> str:
@@ -52,7 +54,15 @@ class SubmitOption:
 def _from_schema(name: str) -> SubmitOption:
     key = sites.option_keys()[name]
     spec = sites.SCHEMA[key]
-    return SubmitOption(name, spec.option or "", spec.type, key=key, choices=spec.choices)
+    return SubmitOption(
+        name,
+        spec.option or "",
+        spec.type,
+        key=key,
+        choices=spec.choices,
+        negatable=spec.type is bool,
+        shown_default=spec.default,
+    )
 
 
 def _signal_help() -> str:
@@ -66,7 +76,9 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     SubmitOption("nodes", "N, or N_MIN:N_MAX (elastic).", default=DEFAULT_NODES),
     _from_schema("spare_nodes"),
     _from_schema("gpus_per_node"),
-    SubmitOption("nproc_per_node", "Workers per node: N or auto."),
+    SubmitOption(
+        "nproc_per_node", "Workers per node: N or auto.", shown_default="--gpus-per-node, else auto"
+    ),
     _from_schema("time"),
     _from_schema("partition"),
     _from_schema("account"),
@@ -80,6 +92,8 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     _from_schema("stall_timeout"),
     _from_schema("replica_groups"),
     _from_schema("min_replica_groups"),
+    _from_schema("warm_start"),
+    _from_schema("console"),
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),

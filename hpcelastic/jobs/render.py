@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcelastic import __version__
-from hpcelastic.agent.spec import AgentCommand
+from hpcelastic.agent.spec import DEFAULT_CONSOLE, AgentCommand
 from hpcelastic.errors import UserError
 from hpcelastic.jobs.spec import JobSpec
 from hpcelastic.parse import is_env_name
@@ -139,6 +139,10 @@ def agent_command(spec: JobSpec) -> AgentCommand:
         replica_groups=spec.replica_groups if spec.replica_groups > 1 else None,
         min_replica_groups=spec.min_replica_groups if spec.min_replica_groups > 1 else None,
         no_warm_start=not spec.warm_start,
+        console=spec.console if spec.console != DEFAULT_CONSOLE else None,
+        metrics_port=spec.metrics_port,
+        no_metrics=not spec.metrics_enabled,
+        metrics_textfile_dir=Path(spec.metrics_textfile_dir) if spec.metrics_textfile_dir else None,
         module=spec.module,
         program=(spec.script, *spec.script_args),
     )

@@ -68,7 +68,7 @@ class JobSpec:
     grace_period_s: int | None
     rdzv_interface: str | None
     rdzv_port: int | None
-    stall_timeout_s: int | None
+    stall_timeout_s: float | None
     modules: tuple[str, ...]
     setup: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
@@ -81,6 +81,10 @@ class JobSpec:
     replica_groups: int = 1  # torchft replica groups (hpcelastic.agent.replicas); 1: off
     min_replica_groups: int = 1
     warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
+    console: str = "all"  # worker output on the console (hpcelastic.agent.console)
+    metrics_port: int | None = None  # the coordinator's OpenMetrics port (None: a free one)
+    metrics_enabled: bool = True
+    metrics_textfile_dir: str | None = None
 
     @property
     def nodes_text(self) -> str:
@@ -184,7 +188,7 @@ def build_spec(
             raise UserError("--replica-groups needs a fixed node count (--nodes N), not a range")
         problem = check_groups(nodes_max, groups, min_groups)
         if problem:
-            raise UserError(f"{problem}; pick --nodes as a multiple of --replica-groups")
+            raise UserError(problem)
     grace = v("requeue.grace_period")
     if grace is not None and lead is not None and lead <= grace:
         raise UserError(
@@ -266,4 +270,8 @@ def build_spec(
         replica_groups=groups,
         min_replica_groups=min_groups,
         warm_start=v("warm_start"),
+        console=v("console"),
+        metrics_port=v("metrics.port"),
+        metrics_enabled=v("metrics.enabled"),
+        metrics_textfile_dir=v("metrics.textfile_dir"),
     )

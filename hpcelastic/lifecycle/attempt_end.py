@@ -43,7 +43,7 @@ def end_attempt(
     Slurm's record of the job has the last word on a stop (:mod:`~hpcelastic.lifecycle.classify`):
     ``reason`` PREEMPTED (a stop signal was seen) becomes the time limit, a preemption or a node
     failure; any other failure becomes the stop Slurm is making, if it is ending the job. A job
-    Slurm is cancelling (plain ``scancel``) marks the run cancelled: it is never brought back.
+    Slurm is cancelling (plain ``scancel``) ends ``cancelled`` and marks the run so: it is never brought back.
     The attempt's root cause is read from the event log, a checkpoint the attempt wrote from the
     checkpoint directory, the nodes the job could be placed on from Slurm. Of ``bad_nodes``, those in
     ``unreachable`` (lost by silence only) stay bad only while their slurmd does not answer: a link that
@@ -89,5 +89,5 @@ def _slurm_reason(run_dir: RunDir, job_id: str, reason: Reason) -> tuple[Reason,
     if stop is Stop.CANCELLED:
         mark_cancelled(run_dir)
         run_dir.record(events.cancelled(job_id=job_id))
-        return reason, False
+        return Reason.CANCELLED, False
     return (reason if stop is None or stop.reason is None else stop.reason), verdict.requeued

@@ -47,6 +47,31 @@ def new_checkpoint(checkpoint_dir: str | os.PathLike[str] | None, since: float) 
     return best[1] if best else None
 
 
+def newest_checkpoint(checkpoint_dir: str | os.PathLike[str] | None) -> str | None:
+    """The newest complete checkpoint under ``checkpoint_dir``, relative to it (None: none)."""
+    return new_checkpoint(checkpoint_dir, float("-inf"))
+
+
+def checkpoint_of(
+    checkpoint_dir: str | os.PathLike[str], file: str | os.PathLike[str]
+) -> tuple[str, float | None]:
+    """The checkpoint ``file`` (a path under ``checkpoint_dir``) belongs to, relative to the directory, and
+    when it was complete (None: it is not): the DCP directory holding it (its ``.metadata``), else the
+    top-level directory holding it (a checkpoint of several files, as Accelerate's ``save_state`` writes:
+    its newest complete file), else the file itself."""
+    root, path = Path(checkpoint_dir), Path(file)
+    rel = path.relative_to(root)
+    for depth in range(1, len(rel.parts)):
+        folder = root.joinpath(*rel.parts[:depth])
+        if (folder / DCP_METADATA).is_file():
+            return str(folder.relative_to(root)), _complete_mtime(folder, depth - 1)
+    if len(rel.parts) > 1:
+        folder = root / rel.parts[0]
+        times = [t for p, d in _walk(folder) if (t := _complete_mtime(p, d)) is not None and not p.is_dir()]
+        return rel.parts[0], max(times) if times else None
+    return str(rel), _complete_mtime(path, 0)
+
+
 def _walk(root: Path) -> list[tuple[Path, int]]:
     """Entries under ``root`` to :data:`SCAN_DEPTH`, not descending into DCP checkpoints."""
     out: list[tuple[Path, int]] = []

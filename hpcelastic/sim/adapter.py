@@ -309,7 +309,9 @@ def ledger_totals(log: Log, now: float) -> LedgerTotals:
     built = ledger.build_ledger(log.view(), now=now)
     outside = (ledger.Phase.PENDING, ledger.Phase.QUEUED)
     inside = sum(s.seconds for s in built.segments if s.phase not in outside)
-    return LedgerTotals(built.allocated_s, inside, built.productive_s + sum(built.badput_by_phase.values()))
+    return LedgerTotals(
+        built.allocated_s, inside, built.productive_s + built.unknown_s + sum(built.badput_by_phase.values())
+    )
 
 
 def settings(max_requeues: int) -> policy.Settings:

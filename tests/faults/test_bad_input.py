@@ -110,6 +110,20 @@ CASES: list[Case] = [
     sub("--time", "two hours", "train.py", expect="'two hours' is not a Slurm time", id="submit-time-words"),
     sub("--time", "١٠", "train.py", expect="'١٠' is not a Slurm time", id="submit-time-arabic-digits"),
     sub("--time", "4:00'00", "train.py", expect="is not a Slurm time", id="submit-time-quote"),
+    sub("--time", "25:99:99", "train.py", expect="minutes must be below 60, not 99", id="submit-time-99-min"),
+    sub("--time", "10:61", "train.py", expect="seconds must be below 60, not 61", id="submit-time-61-s"),
+    sub("--time", "1-24:00", "train.py", expect="hours must be below 24, not 24", id="submit-time-24-h"),
+    sub(
+        "--nodes",
+        "4",
+        "--replica-groups",
+        "2",
+        "--min-replica-groups",
+        "3",
+        "train.py",
+        expect="--min-replica-groups 3 exceeds --replica-groups 2; lower --min-replica-groups to 2",
+        id="submit-min-groups-above-groups",
+    ),
     sub(
         "--signal",
         "USR2",
@@ -282,7 +296,21 @@ CASES: list[Case] = [
         id="submitit-short-sbatch-arg",
     ),
     # ---- submit: HPCELASTIC_* environment variables ----
-    sub("train.py", env={"HPCELASTIC_NODES": "0"}, expect="--nodes '0'", id="env-NODES=0"),
+    sub(
+        "train.py", env={"HPCELASTIC_NODES": "0"}, expect="HPCELASTIC_NODES=0: --nodes '0'", id="env-NODES=0"
+    ),
+    sub(
+        "train.py",
+        env={"HPCELASTIC_NODES": "abc"},
+        expect="HPCELASTIC_NODES=abc: --nodes 'abc' is not N",
+        id="env-NODES=abc",
+    ),
+    sub(
+        "train.py",
+        env={"HPCELASTIC_STALL_TIMEOUT": "0"},
+        expect="HPCELASTIC_STALL_TIMEOUT=0: command line: --stall-timeout: must be at least 0.1",
+        id="env-STALL_TIMEOUT=0",
+    ),
     sub("train.py", env={"HPCELASTIC_SITE": "nope"}, expect="unknown site 'nope'", id="env-SITE=nope"),
     sub("train.py", env={"HPCELASTIC_SITE": "x\ny"}, expect="unknown site 'x\\ny'", id="env-SITE-newline"),
     sub(

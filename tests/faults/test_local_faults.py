@@ -160,9 +160,9 @@ def test_a_stop_signal_reaching_the_nodes_apart_is_one_stop_not_a_lost_node(loca
                 proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
     assert job.wait() == [128 + signal.SIGTERM] * 2
-    lost = job.events("node_lost")
-    assert sorted(e["node_rank"] for e in lost) == [0, 1], lost
-    assert not job.events("root_cause") and not job.events("restarting")
+    stopped = job.events("agent_stopped")  # the step's stop: recorded as such, not as lost nodes (issue 21)
+    assert sorted(e["node_rank"] for e in stopped) == [0, 1], job.events()
+    assert not job.events("node_lost") and not job.events("root_cause") and not job.events("restarting")
 
 
 def test_mpirun_bootstraps_the_job(tmp_path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcelastic.agent.console import RANK_LOG_ONLY
 from hpcelastic.rundir import RunDir
 from tests.replica_checks import check_group_restart, train_args
 
@@ -18,8 +19,7 @@ STEPS = 160
 
 
 def test_worker_killed_in_group_1_restarts_only_group_1(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+    out = tmp_path / "out" / "nested"  # not made here: the example makes its --out-dir (issue 21)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "4", "--nproc-per-node", "1"]
     cmd += ["--replica-groups", "2", "--run-dir", str(run_dir), "--rdzv-timeout", "60"]
@@ -29,9 +29,41 @@ def test_worker_killed_in_group_1_restarts_only_group_1(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert "[INFO] [torchft::" not in output, "torchft's per-quorum INFO lines belong in the rank logs"
     assert "replica group 1: restarting" in output
+    check_group_console(output, run_dir)
     check_group_restart(out, RunDir(run_dir).events(), steps=STEPS)
     assert "[INFO] [torchft::lighthouse]" in (run_dir / "logs" / "lighthouse.log").read_text()
     check_replica_ledger(run_dir)
+
+
+def check_group_console(output: str, run_dir: Path) -> None:
+    """The console of a group restart (issue 21): each rank named with its group, the group's root cause
+    before its restart, no third-party chatter (the rank logs keep it), no traceback of the killed rank's
+    peers."""
+    lines = output.splitlines()
+    assert {"[g0 r0]", "[g0 r1]", "[g1 r0]", "[g1 r1]"} & {line[:7] for line in lines}
+    assert not [line for line in lines if line.startswith("[rank")], "a group's rank 0 is not [rank0]"
+    cause = next(
+        i for i, line in enumerate(lines) if line.startswith("hpcelastic: replica group 1: root cause")
+    )
+    assert "rank 1" in lines[cause] and "SIGKILL" in lines[cause]
+    assert cause < next(i for i, line in enumerate(lines) if "replica group 1: restarting" in line)
+    attempt = run_dir / "logs" / "attempt-0"
+    # each group's ranks have logs of their own (both groups have a rank 0)
+    assert {p.name for p in attempt.glob("rank-*.log")} == {
+        f"rank-{r}-g{g}.log" for r in (0, 1) for g in (0, 1)
+    }
+    logs_cmd = [sys.executable, "-m", "hpcelastic", "logs", str(run_dir)]
+    shown = subprocess.run([*logs_cmd, "--rank", "1", "--group", "1"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "SIGKILL at step" in shown.stdout, shown.stderr
+    ungrouped = subprocess.run(
+        [sys.executable, "-m", "hpcelastic", "logs", str(run_dir)], capture_output=True, text=True
+    )
+    assert ungrouped.returncode == 2 and "--group" in ungrouped.stderr
+    logs = "".join(p.read_text() for p in attempt.glob("rank-*.log"))
+    chatter = [line for line in logs.splitlines() if RANK_LOG_ONLY.search(line.encode())]
+    assert chatter, "torchft said nothing in the rank logs: nothing was checked"
+    assert not [line for line in lines if RANK_LOG_ONLY.search(line.encode())], "chatter on the console"
+    assert "Traceback" not in output  # the SIGKILLed rank has none; its peers' consequent ones stay in logs
 
 
 def check_replica_ledger(run_dir: Path) -> None:

@@ -165,12 +165,13 @@ def test_a_decision_after_a_plain_scancel_does_not_bring_the_job_back(
     wait_state(job_id, {"RUNNING"}, 60)
     subprocess.run(["scancel", job_id], check=True)
     out = end_attempt(rd, 0, Reason.PREEMPTED, job_id=job_id, requeue_mode=mode, max_requeues=3)
-    assert out.exit_code == Reason.PREEMPTED.exit_code
+    assert out.exit_code == Reason.CANCELLED.exit_code  # a cancel, not the preemption the trap took it for
     rec = stays(job_id, "CANCELLED", 15)
     assert rec["Restarts"] == "0"
     evs = events(rd.path)
     assert not named(evs, "requeued") and not named(evs, "resubmitted") and rd.job_ids() == [job_id]
     assert named(evs, "job_failed")[-1]["reason"] == "cancelled"
+    assert [e["reason"] for e in named(evs, "attempt_ended")] == ["cancelled"]
     assert status_outcome(rd.path) == "cancelled"
 
 

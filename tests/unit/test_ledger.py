@@ -68,7 +68,9 @@ def ledger(records: list[dict[str, Any]], now: float | None = None) -> Ledger:
     led = build_ledger(EventLog(records), now)
     # The segments of every attempt add up to its wall time, and nothing overlaps.
     assert led.allocated_s == pytest.approx(sum(a.seconds for a in led.attempts))
-    assert led.productive_s + sum(led.badput_by_cause.values()) == pytest.approx(led.allocated_s)
+    assert led.productive_s + led.unknown_s + sum(led.badput_by_cause.values()) == pytest.approx(
+        led.allocated_s
+    )
     assert sum(led.badput_by_phase.values()) == pytest.approx(led.badput_s)
     ordered = sorted(led.segments, key=lambda s: s.t0)
     assert all(a.t1 <= b.t0 + 1e-9 for a, b in zip(ordered, ordered[1:], strict=False))
@@ -212,7 +214,7 @@ def test_preemption_and_requeue_count_pending_time_and_mark_estimates() -> None:
     assert [(s.t0, s.t1, s.cause) for s in pending] == [(111.0, 300.0, "preemption")]
 
 
-def test_without_a_checkpoint_the_work_since_the_round_start_is_redone() -> None:
+def test_without_evidence_the_training_before_the_failure_is_unknown_not_redone() -> None:
     crash = failure(0, 0, "n1", "OOM", exitcode=None)
     records = [
         start(0.0, 0),
@@ -225,12 +227,19 @@ def test_without_a_checkpoint_the_work_since_the_round_start_is_redone() -> None
     ]
     led = ledger(records)
     (inc,) = led.incidents
-    assert inc.redone_work_s == pytest.approx(38.0)
-    assert "redone_work_s" in inc.estimated
+    assert inc.redone_work_s == 0.0 and inc.redone_source is None and inc.unknown_s == pytest.approx(38.0)
+    assert led.to_json()["incidents"][0]["redone_work_s"] is None
     assert inc.teardown_s == pytest.approx(1.5)  # to the end of the attempt
     assert inc.recovery == "none"
-    assert led.productive_s == 0.0
-    assert led.ettr == 0.0
+    assert led.productive_s == 0.0 and led.unknown_s == pytest.approx(38.0)
+    assert led.ettr == 0.0 and led.ettr_upper == pytest.approx(38.0 / 42.0)
+    assert [s.phase for s in led.segments if s.t0 >= 2.0][0] is Phase.UNKNOWN
+    text = ledger_lines(led)
+    assert text[0].startswith(
+        "effective training time ratio 0.0 % to 90.5 %: productive 0.0 s, 38.0 s of unknown"
+    )
+    assert "redone unknown (38.0 s of training before the failure)" in text[2]
+    assert text[-1].startswith("note: redone work unknown for incident(s) #1")
 
 
 def test_stall_is_dated_back_by_the_stall_timeout() -> None:
@@ -251,7 +260,8 @@ def test_stall_is_dated_back_by_the_stall_timeout() -> None:
     stall, limit = led.incidents
     assert stall.kind is IncidentKind.STALL and stall.t_fail == pytest.approx(100.0)
     assert stall.detection_s == pytest.approx(31.0)
-    assert stall.redone_work_s == pytest.approx(95.0)  # no checkpoint: all of the round
+    # round 1 never stepped, read no checkpoint and none was published: nothing tells what it resumed from
+    assert stall.redone_source is None and stall.unknown_s == pytest.approx(95.0)
     assert limit.kind is IncidentKind.TIME_LIMIT
     # Round 1 never reached a step: its time up to the signal is the stall's restart, no productive time.
     assert stall.restart_to_first_step_s == pytest.approx(6.0)
@@ -324,3 +334,62 @@ def test_ledger_lines_for_status() -> None:
     assert "restart ~2.0 s" in lines[2] and "pending 3 min 09 s" in lines[2]
     assert lines[-1].startswith("note: no progress events in attempt(s) 0, 1")
     assert ledger_lines(ledger([submitted(0.0)])) == ["lost-time ledger: no attempt has started yet"]
+
+
+def opened(ts: float, rnd: int, completed: float, path: str = "step-20") -> dict[str, Any]:
+    event = ev.checkpoint_opened(attempt=0, round=rnd, node_rank=0, path=path, file=f"{path}/.metadata",
+                                 completed_ts=completed, newest=path)  # fmt: skip
+    return rec(ts, event)
+
+
+def crash_then(
+    *next_round: dict[str, Any], marks: tuple[tuple[float, int], ...] = ()
+) -> list[dict[str, Any]]:
+    """Round 0 trains from 10 (its marks), rank 1 crashes at 70; round 1 starts at 75 with ``next_round``."""
+    crash = failure(0, 1, "n1", "boom")
+    first = [
+        step(t, 0, 0, n, ProgressMark.FIRST if i == 0 else ProgressMark.PERIODIC)
+        for i, (t, n) in enumerate(marks)
+    ]
+    return [
+        start(0.0, 0), rdzv(1.0, 0), spawned(2.0, 0), *first,
+        rec(70.5, ev.worker_failed(crash, exit_ts=70.0)),
+        rec(71.0, ev.root_cause(crash, traceback="", exit_ts=70.0)),
+        rdzv(75.0, 1), spawned(76.0, 1), *next_round, *succeed(200.0, 0),
+    ]  # fmt: skip
+
+
+def test_redone_work_from_the_step_the_next_round_resumed_after() -> None:
+    # Steps 0..60 at 10..70 s (1 s each), marks at 0, 30, 60; round 1's first step is 41: it resumed after 40.
+    led = ledger(
+        crash_then(step(90.0, 0, 1, 41, ProgressMark.FIRST), marks=((10.0, 0), (40.0, 30), (69.5, 59)))
+    )
+    (inc,) = led.incidents
+    assert (inc.redone_source, inc.redone_steps) == ("heartbeats", 19)
+    assert "(19 step(s), heartbeats: the next round resumed after step 40)" in ledger_lines(led)[2]
+    assert inc.redone_work_s == pytest.approx(70.0 - (40.0 + 10 * 29.5 / 29))
+    assert inc.estimated == []
+    # Resumed after the last step reported: only the step in flight was redone.
+    led = ledger(crash_then(step(90.0, 0, 1, 60, ProgressMark.FIRST), marks=((10.0, 0), (69.5, 59))))
+    assert (led.incidents[0].redone_steps, led.incidents[0].redone_work_s) == (0, pytest.approx(0.5))
+
+
+def test_redone_work_from_the_checkpoint_the_next_round_read() -> None:
+    """An unchanged script: no heartbeats; round 1 read the checkpoint completed at 61 s."""
+    led = ledger(crash_then(opened(80.0, 1, completed=61.0)))
+    (inc,) = led.incidents
+    assert (inc.redone_source, inc.redone_steps) == ("checkpoint_opened", None)
+    assert "redone 9.0 s (the next round read checkpoint step-20)" in ledger_lines(led)[2]
+    assert inc.redone_work_s == pytest.approx(9.0) and "redone_work_s" not in inc.estimated
+    # The round's first step follows its load: its restart lasted at least until the read.
+    assert led.attempts[0].rounds[1].first_step == pytest.approx(80.0)
+    assert inc.restart_to_first_step_s == pytest.approx(5.0)
+    # A checkpoint older than the round: all of its (estimated) training was redone.
+    older = ledger(crash_then(opened(80.0, 1, completed=1.5))).incidents[0]
+    assert older.redone_work_s == pytest.approx(68.0) and "redone_work_s" in older.estimated
+
+
+def test_the_first_evidence_wins_heartbeats_over_a_read_checkpoint() -> None:
+    records = crash_then(opened(80.0, 1, completed=61.0), step(90.0, 0, 1, 60, ProgressMark.FIRST),
+                         marks=((10.0, 0), (69.0, 59)))  # fmt: skip
+    assert ledger(records).incidents[0].redone_source == "heartbeats"

@@ -230,10 +230,12 @@ def test_a_job_wide_restart_starts_a_new_epoch_of_groups() -> None:
     led = ledger(records)
     (inc,) = led.incidents
     assert (inc.kind.value, inc.t_fail, inc.recovery) == ("node_loss", 48.0, "restart")
-    assert inc.redone_work_s == pytest.approx(3.0) and inc.detection_s == pytest.approx(2.0)
+    # the new epoch's first step is 28: it resumed after step 27 (at 47): only the step in flight was redone
+    assert inc.redone_work_s == pytest.approx(1.0) and inc.detection_s == pytest.approx(2.0)
+    assert inc.redone_source == "heartbeats" and inc.redone_steps == 0
     assert inc.restart_to_first_step_s == pytest.approx(9.6)
     assert [r.round for r in led.attempts[0].rounds] == [0, 2]
-    assert led.productive_s == pytest.approx(25.0 + 40.0)
+    assert led.productive_s == pytest.approx(27.0 + 40.0)
     rep = led.replica_groups
     assert rep is not None and len(rep.lanes) == 4
     assert all(not x.incidents for x in rep.lanes)  # the failure is the job's, not one group's

@@ -235,8 +235,8 @@ def test_screenshot_shows_the_restarted_group_lane(replica_report: Path, tmp_pat
     _w, _h, rows = png_pixels(shot)
     green, restart = bytes.fromhex("2e9d57"), bytes.fromhex("8ecae6")
 
-    def colours(row: bytes) -> set[bytes]:
-        return {row[i : i + 3] for i in range(0, len(row), 3)}
+    def colours(row: bytes) -> set[bytes]:  # right of the label column: the bars, not the legend's swatches
+        return {row[i : i + 3] for i in range(3 * 200, len(row), 3)}
 
     # Only group 1's lane holds productive time and its restart on one line of pixels.
     lane_rows = [y for y, row in enumerate(rows) if {green, restart} <= colours(row)]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from hpcelastic.agent.console import WorkerConsole
 from hpcelastic.agent.health import GpuHealth
 from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog
@@ -242,9 +243,10 @@ def test_torchft_info_lines_stay_in_the_rank_log(tmp_path: Path) -> None:
     log = io.BytesIO()
     shown = tmp_path / "agent-output"
     with open(shown, "wb") as out:
-        _copy_lines(io.BytesIO(b"".join(lines)), log, b"[rank0]: ", collections.deque(), out.fileno())
+        console = WorkerConsole("all", 0, fd=out.fileno())
+        _copy_lines(io.BytesIO(b"".join(lines)), log, collections.deque(), console)
     assert log.getvalue() == b"".join(lines)
-    assert shown.read_bytes() == b"[rank0]: step 3 loss 0.5\n[rank0]: " + lines[3]
+    assert shown.read_bytes() == b"[rank0] step 3 loss 0.5\n[rank0] " + lines[3]
 
 
 # ---- what the agent reads in /proc before it stops a worker (issue 18, items 4 and 5) -------------

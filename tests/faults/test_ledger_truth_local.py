@@ -1,0 +1,42 @@
+"""The lost-time ledger against what unchanged scripts' own logs prove (issue 21, point 1).
+
+Real ``hpcelastic run`` jobs (gloo on CPU): the shipped DDP example SIGKILLed at step 25 (heartbeats), an
+unchanged Hugging Face Accelerate script and an unchanged torch.distributed.checkpoint script (no hpcelastic
+import: the agent sees which checkpoint the restarted round reads), each with one crash.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.scripts import truth as T
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("index", [0, 2, 3], ids=["example", "accelerate", "dcp"])
+def test_redone_time_is_what_the_scripts_log_proves(tmp_path: Path, index: int) -> None:
+    case = T.cases(tmp_path / "timing")[index]
+    proc = T.run(case, tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    truth = T.truth(case, tmp_path / "run", tmp_path / "timing")
+    inc = T.incident(tmp_path / "run")
+    assert truth.crashed - truth.resumed > 0
+    if case.heartbeats:
+        # resumed after step 24, crashed in step 25: nothing but the step in flight was redone
+        assert (truth.resumed, truth.crashed) == (24, 25)
+        assert (
+            inc["redone_source"] == "heartbeats" and inc["redone_steps"] == truth.crashed - truth.resumed - 1
+        )
+        assert 0 <= inc["redone_work_s"] < 2 * T.STEP_TIME + 0.3
+    else:
+        # the checkpoint of step 19 was read by the restarted round; steps 20-21 and part of 22 were redone
+        assert inc["redone_source"] == "checkpoint_opened" and inc["redone_steps"] is None
+        assert truth.redone_s is not None
+        # the failure is dated when the agent saw the worker's exit: on a loaded machine up to ~0.1 s late
+        assert inc["redone_work_s"] == pytest.approx(truth.redone_s, abs=0.3)
+        assert "redone_work_s" not in inc["estimated"]
+    # what the round lost in restarting is not productive time: the read comes after the workers started
+    assert inc["restart_to_first_step_s"] > 0.3
