@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run started in the background by a shell without job control (``cmd &``) inherits SIGINT and SIGQUIT
+    ignored, and so would every process the tests start (a Ctrl-C test would then never see its Ctrl-C):
+    give them back their default dispositions."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -101,5 +101,7 @@ def test_replica_groups_must_split_the_nodes(tmp_path: Path) -> None:
     cmd += ["--run-dir", str(tmp_path / "run"), "x.py"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.strip().endswith("3 node(s) do not split into 2 replica groups of equal size")
+    line = "3 node(s) do not split into 2 replica groups of equal size; pick --nodes as a multiple of "
+    line += "--replica-groups"
+    assert proc.stderr.strip().endswith(line)
     assert not (tmp_path / "run").exists()
