@@ -50,16 +50,34 @@ class Testbed:
             raise RuntimeError(f"testbed.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
 
+    def exports(self) -> dict[str, str]:
+        """``testbed.sh env``: ``SLURM_CONF``, and for a Slurm of its own root (``slurm="24.11"``) the
+        directory of its command wrappers, which goes first on ``PATH``."""
+        found = {}
+        for line in self.run("env").stdout.splitlines():
+            m = re.fullmatch(r'export (\w+)="?(.*?)(?::\$PATH)?"?', line.strip())
+            if m:
+                found[m.group(1)] = m.group(2)
+        return found
+
     @property
     def slurm_conf(self) -> str:
-        out = self.run("env").stdout.strip()
-        return out.split("=", 1)[1]
+        return self.exports()["SLURM_CONF"]
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with Slurm's commands (sbatch, squeue,
+        scontrol, ...) talking to this instance: its ``SLURM_CONF``, and its release's commands first
+        on ``PATH`` (the host's 22.05 clients cannot talk to a 24.11 slurmctld)."""
+        env = dict(os.environ if base is None else base)
+        exports = self.exports()
+        env["SLURM_CONF"] = exports["SLURM_CONF"]
+        if "PATH" in exports:
+            env["PATH"] = f"{exports['PATH']}:{env.get('PATH', '')}"
+        return env
 
     def slurm_env(self) -> dict[str, str]:
         """An environment whose Slurm commands (sbatch, squeue, scontrol) talk to this instance."""
-        env = dict(os.environ)
-        env["SLURM_CONF"] = self.slurm_conf
-        return env
+        return self.env()
 
     def slurm(self, *argv: str, check: bool = True, timeout: float = 60) -> str:
         """Run a Slurm command against this instance; its stdout."""
