@@ -162,7 +162,10 @@ set_release() { # the root (empty: the host's Slurm) and the wrappers' directory
   SUITE=$(suite_of "$SLURM_RELEASE")
   ROOT=${SUITE:+$ROOTS/$SUITE}
   WRAPPERS=$STATE/bin
-  if [ -n "$ROOT" ] && [ -d "$WRAPPERS" ]; then export PATH="$WRAPPERS:$PATH"; fi
+  # Another instance's wrappers on the caller's PATH would run the wrong release's commands.
+  PATH=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vE '/hpcelastic-testbed-[a-z0-9]+/bin$' | paste -sd: -)
+  if [ -n "$ROOT" ] && [ -d "$WRAPPERS" ]; then PATH="$WRAPPERS:$PATH"; fi
+  export PATH
 }
 set_release
 
@@ -1062,6 +1065,11 @@ down() {
     stop_pids "slurmctld" "$p" $kids || true
   fi
   if [ "$NETNS" = 1 ]; then net_down; fi
+  if [ -n "$ROOT" ]; then # the instance's own mounts in the root (the shared ones stay)
+    for p in "$ROOT$LOGS" "$ROOT$STATE"; do
+      if mountpoint -q "$p"; then umount -l "$p" && rmdir "$p" 2>/dev/null || true; fi
+    done
+  fi
   for node in $(node_names); do # the cgroups task/cgroup made (leaf first)
     find /sys/fs/cgroup/*/"slurm_$node" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done

@@ -25,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "testbed.sh"
+#: The Slurm command wrappers of an instance of another release (scripts/testbed.sh ``TESTBED_SLURM``).
+WRAPPERS = re.compile(r"/hpcelastic-testbed-[a-z0-9]+/bin$")
 
 
 @dataclass
@@ -71,8 +73,9 @@ class Testbed:
         env = dict(os.environ if base is None else base)
         exports = self.exports()
         env["SLURM_CONF"] = exports["SLURM_CONF"]
-        if "PATH" in exports:
-            env["PATH"] = f"{exports['PATH']}:{env.get('PATH', '')}"
+        # Another instance's wrappers would run another release's commands.
+        path = [p for p in env.get("PATH", "").split(":") if not WRAPPERS.search(p)]
+        env["PATH"] = ":".join([exports["PATH"], *path] if "PATH" in exports else path)
         return env
 
     def slurm_env(self) -> dict[str, str]:
