@@ -64,6 +64,8 @@ class SlurmFacts:
     gpus_on_node: int | None = None
     step_gpus: str | None = None
     job_gpus: str | None = None
+    #: When the job's time limit ends, epoch seconds (Slurm 23.02 and later; a year ahead when UNLIMITED).
+    job_end_time: int | None = None
 
 
 # Each fact and the variable(s) Slurm sets it in, the first set one wins (as submitit's JobEnvironment).
@@ -82,6 +84,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "gpus_on_node": ("SLURM_GPUS_ON_NODE",),
     "step_gpus": ("SLURM_STEP_GPUS",),
     "job_gpus": ("SLURM_JOB_GPUS",),
+    "job_end_time": ("SLURM_JOB_END_TIME",),
 }
 _INTS = frozenset(name for name, hint in get_type_hints(SlurmFacts).items() if int in get_args(hint))
 
@@ -138,6 +141,15 @@ def task_rank(environ: Mapping[str, str]) -> int:
     found = variable(environ, "proc_id")
     value = found[1] if found else "0"
     return int(value) if value.isascii() and value.isdigit() else 0
+
+
+def time_left(environ: Mapping[str, str], now: float) -> float | None:
+    """Seconds from ``now`` (epoch) to the end of the job's time limit (``SLURM_JOB_END_TIME``); None
+    outside Slurm, before 23.02, or when the value is not a number. The variable is fixed when the job
+    starts: a preemption's GraceTime, or a time limit changed later, is not in it."""
+    found = variable(environ, "job_end_time")
+    value = found[1].strip() if found else ""
+    return float(value) - now if ASCII_INT.fullmatch(value) else None
 
 
 def gpu_ids(ids: str | None) -> tuple[str, ...]:
