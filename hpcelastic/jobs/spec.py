@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
+from hpcelastic.jobs.container import Container, from_config
 from hpcelastic.jobs.options import DEFAULT_NODES
 from hpcelastic.parse import (
     AUTO,
@@ -81,6 +82,7 @@ class JobSpec:
     replica_groups: int = 1  # torchft replica groups (hpcelastic.agent.replicas); 1: off
     min_replica_groups: int = 1
     warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
+    container: Container | None = None  # the agent runs in this container (hpcelastic.jobs.container)
 
     @property
     def nodes_text(self) -> str:
@@ -224,6 +226,9 @@ def build_spec(
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
     check_no_task_array(directives, f"site {config.site!r}: sbatch_directives entry")
     check_no_task_array(sbatch_args, "--sbatch-arg")
+    container = from_config(config.values, config.site)
+    if container is not None and v("backend") != "sbatch":
+        raise UserError(f"a container (container.runtime {container.runtime}) needs the sbatch backend")
     return JobSpec(
         script=script_path,
         script_args=tuple(script_args),
@@ -266,4 +271,5 @@ def build_spec(
         replica_groups=groups,
         min_replica_groups=min_groups,
         warm_start=v("warm_start"),
+        container=container,
     )
