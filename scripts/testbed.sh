@@ -6,6 +6,9 @@
 #   scripts/testbed.sh install           apt packages (slurm-wlm, munge, nftables); idempotent
 #   scripts/testbed.sh install-root      the Debian trixie root that runs Slurm 24.11 (TESTBED_SLURM);
 #                                        built once (about 30-60 s, 250 MB), then reused; idempotent
+#   scripts/testbed.sh image             podman (rootful, runc) and a local image without Slurm
+#                                        (localhost/hpcelastic-testbed:trixie) that is also the rootfs of
+#                                        the OCI bundle $TESTBED_ROOTS/oci-bundle; built once; idempotent
 #   scripts/testbed.sh up                write the config, start munge + daemons, wait until idle
 #                                        (an instance that is already running keeps its config)
 #   scripts/testbed.sh down              stop this instance's daemons and its job processes (keeps the config)
@@ -242,7 +245,8 @@ build_root() { # the Debian root of SLURM_RELEASE, built once (its mark names it
   # --one-file-system would not stop it).
   umount_under "$tmp"
   rm -rf --one-file-system "$tmp"
-  if ! debootstrap --variant=minbase --include="${ROOT_PACKAGES// /,}" "$SUITE" "$tmp" "$MIRROR" \
+  mkdir -p "$ROOTS/cache"
+  if ! debootstrap --variant=minbase --cache-dir="$ROOTS/cache" --include="${ROOT_PACKAGES// /,}" "$SUITE" "$tmp" "$MIRROR" \
     >"$ROOTS/$SUITE.log" 2>&1; then
     tail -n 20 "$ROOTS/$SUITE.log" >&2
     exit 1
@@ -268,6 +272,12 @@ root_bind() { # PATH: bind-mounted at the same path inside the root (once)
 root_mounts() { # what the root's daemons and jobs see of the host; the mounts stay until a rebuild
   local d repo
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+  if ! mountpoint -q "$ROOT"; then
+    # The root a mount of its own, under everything else: runc (Slurm's OCI support) makes the
+    # container's "/" a slave mount, which fails (EINVAL) where "/" is no mount point.
+    umount_under "$ROOT"
+    mount --bind "$ROOT" "$ROOT"
+  fi
   mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"
   for d in sys dev; do
     if ! mountpoint -q "$ROOT/$d"; then
@@ -280,6 +290,10 @@ root_mounts() { # what the root's daemons and jobs see of the host; the mounts s
   mkdir -p "$STATE" "$LOGS"
   root_bind "$STATE"
   root_bind "$LOGS"
+  if [ "$OCI" = 1 ]; then # the container tests' image (`image`): the OCI bundle's rootfs
+    root_bind "$ROOTS/image-trixie"
+    root_bind "$ROOTS/oci-bundle"
+  fi
   cp /etc/hosts "$ROOT/etc/hosts" # the node names (write_hosts)
 }
 
@@ -287,7 +301,7 @@ make_wrappers() { # $STATE/bin/CMD: the root's CMD, run in the caller's working 
   local cmd path
   mkdir -p "$WRAPPERS"
   for cmd in $SLURM_COMMANDS; do
-    path=$(chroot "$ROOT" sh -c "command -v $cmd" 2>/dev/null) || continue
+    path=$(chroot "$ROOT" /usr/bin/env PATH=/usr/sbin:/usr/bin:/sbin:/bin sh -c "command -v $cmd" 2>/dev/null) || continue
     {
       echo '#!/bin/sh'
       echo "# $cmd of Slurm $SLURM_RELEASE (testbed instance $NAME), written by scripts/testbed.sh"
@@ -316,6 +330,64 @@ start_root_munge() { # the root's own munged (its /run, its key), shared by the 
       chmod 0400 /etc/munge/munge.key
     fi
     runuser -u munge -- /usr/sbin/munged'
+}
+
+# --- A container image for the container tests (`image`) ------------------------------------------
+# A Debian trixie root with no Slurm in it (`debootstrap --variant=minbase`, the debs from the Slurm
+# root's cache: no second download) is both the podman image localhost/hpcelastic-testbed:trixie
+# (`podman import`, no registry) and the rootfs of the OCI bundle $ROOTS/oci-bundle (config.json from
+# `runc spec`) that Slurm's OCI support runs. It holds the libraries the host's Python needs; the
+# tests mount the host's Python and the .venv into it. Rootful podman runs here with runc (crun
+# refuses this machine's cgroup layout), cgroupfs and the default ulimits capped (containers.conf).
+IMAGE_PACKAGES="libssl3t64 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libuuid1 libreadline8t64 libncursesw6 libstdc++6 procps"
+IMAGE_NAME=localhost/hpcelastic-testbed:trixie
+CONTAINERS_CONF=/etc/containers/containers.conf
+
+podman_config() { # rootful podman with runc on this machine; kept if an admin wrote one
+  if [ -s "$CONTAINERS_CONF" ] && ! grep -q 'hpcelastic scripts/testbed.sh' "$CONTAINERS_CONF"; then return 0; fi
+  mkdir -p "$(dirname "$CONTAINERS_CONF")"
+  cat >"$CONTAINERS_CONF" <<'EOF'
+# Written by hpcelastic scripts/testbed.sh: rootful podman for the container tests.
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+EOF
+}
+
+build_image() { # the image root, the podman image and the OCI bundle, once
+  local root=$ROOTS/image-trixie want bundle=$ROOTS/oci-bundle
+  need_root
+  command -v podman >/dev/null && command -v runc >/dev/null || {
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends podman runc >/dev/null
+  }
+  podman_config
+  want="trixie $IMAGE_PACKAGES"
+  if ! [ -f "$root/$ROOT_MARK" ] || [ "$(cat "$root/$ROOT_MARK")" != "$want" ]; then
+    umount_under "$root"
+    rm -rf --one-file-system "$root" "$root.new"
+    mkdir -p "$ROOTS/cache"
+    log "building the container image root: debootstrap trixie into $root"
+    debootstrap --variant=minbase --cache-dir="$ROOTS/cache" --include="${IMAGE_PACKAGES// /,}" trixie "$root.new" \
+      "$MIRROR" >"$ROOTS/image-trixie.log" 2>&1 || { tail -n 20 "$ROOTS/image-trixie.log" >&2; exit 1; }
+    rm -f "$root.new/var/cache/apt/archives/"*.deb
+    echo "$want" >"$root.new/$ROOT_MARK"
+    mv "$root.new" "$root"
+    podman rmi -f "$IMAGE_NAME" >/dev/null 2>&1 || true
+  fi
+  if ! podman image exists "$IMAGE_NAME"; then
+    tar -C "$root" -c . | podman import --quiet - "$IMAGE_NAME" >/dev/null
+  fi
+  if [ ! -s "$bundle/config.json" ]; then
+    mkdir -p "$bundle"
+    ln -sfn "$root" "$bundle/rootfs"
+    (cd "$bundle" && runc spec && sed -i 's/"terminal": true/"terminal": false/' config.json)
+  fi
+  log "image $IMAGE_NAME and OCI bundle $bundle ready"
 }
 
 node_names() {
@@ -1140,6 +1212,7 @@ case "${1:-}" in
     echo "export SLURM_CONF=$CONF"
     if [ -n "$ROOT" ]; then echo "export PATH=\"$WRAPPERS:\$PATH\""; fi
     ;;
+  image) build_image ;;
   install-root) # the Debian root of TESTBED_SLURM (24.11), for CI's setup; nothing else
     SLURM_RELEASE=${TESTBED_SLURM:-24.11}
     set_release

@@ -291,7 +291,7 @@ def end_of_attempt(
     """
     if not decides:
         return reason.exit_code
-    if slurm.job_id(environ) and shutil.which("scontrol") is None:
+    if reason is not Reason.SUCCEEDED and slurm.job_id(environ) and shutil.which("scontrol") is None:
         # In a container without Slurm's commands: finalize decides after the step, on the host.
         defer(run_dir, attempt, Deferred(reason, bad_nodes, unreachable, progressed))
         say(

@@ -196,6 +196,12 @@ class SlurmEnvironment(Environment):
         if len(hosts) != num_nodes:
             raise UserError(f"SLURM_STEP_NUM_NODES={num_nodes} disagrees with the node list {nodelist!r}")
         if facts.node_id is None:
+            if self.environ.get("HPCELASTIC_CONTAINER") == "oci":
+                raise UserError(
+                    "SLURM_NODEID is not set in the container: this Slurm's OCI mode (srun --container) does "
+                    "not pass the per-task variables (22.05 does not, 24.11 does); use container.runtime "
+                    "podman, apptainer or pyxis"
+                )
             raise UserError("environment variable SLURM_NODEID is not set; is the agent running under slurm?")
         if not 0 <= facts.node_id < num_nodes:
             raise UserError(f"SLURM_NODEID={facts.node_id} is outside the step's {num_nodes} nodes")

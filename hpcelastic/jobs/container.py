@@ -53,6 +53,8 @@ PODMAN_ENV = (
 )
 #: Where :func:`oci_bundle` writes the run's own bundle (its config.json), under the run directory.
 OCI_BUNDLE_DIR = "oci-bundle"
+#: Namespaces the run's OCI bundle shares with the host (:func:`oci_bundle`).
+SHARED_NAMESPACES = ("network", "uts")
 #: Set in the container's environment (the batch script exports it): which runtime the agent runs in.
 CONTAINER_ENV = "HPCELASTIC_CONTAINER"
 
@@ -189,8 +191,9 @@ def wrap(
 
 def oci_bundle(image: str, mounts: Sequence[str], workdir: str) -> bytes:
     """The run's own OCI bundle's ``config.json``: the image bundle's, with its rootfs at its absolute
-    path and the job's ``mounts`` (bind mounts at the same paths) added; Slurm fills in the process
-    (command, environment) itself. :class:`UserError` when ``image`` is no bundle."""
+    path, the job's ``mounts`` (bind mounts at the same paths) added, the working directory set and the
+    host's network and hostname (:data:`SHARED_NAMESPACES`); Slurm fills in the process (command,
+    environment) itself. :class:`UserError` when ``image`` is no bundle."""
     path = Path(image) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -211,6 +214,12 @@ def oci_bundle(image: str, mounts: Sequence[str], workdir: str) -> bytes:
             {"destination": dst or src, "type": "bind", "source": src, "options": options}
         )
     config.setdefault("process", {})["cwd"] = workdir
+    # The host's network and hostname, as podman's --network host: the agents, the coordinator and
+    # NCCL/gloo talk across nodes, which a network namespace of the container's own would cut off.
+    linux = config.get("linux") if isinstance(config.get("linux"), dict) else {}
+    linux["namespaces"] = [n for n in linux.get("namespaces", []) if n.get("type") not in SHARED_NAMESPACES]
+    config["linux"] = linux
+    config.pop("hostname", None)  # runc sets one only in a UTS namespace of the container's own
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
