@@ -306,6 +306,8 @@ make_wrappers() { # $STATE/bin/CMD: the root's CMD, run in the caller's working 
       echo '#!/bin/sh'
       echo "# $cmd of Slurm $SLURM_RELEASE (testbed instance $NAME), written by scripts/testbed.sh"
       echo "[ -e /$ROOT_MARK ] && exec $path \"\$@\" # inside the root already (a job's process)"
+      echo 'conf=${SLURM_CONF:-/etc/slurm/slurm.conf}'
+      echo "[ -e \"$ROOT\$conf\" ] || { echo \"$cmd: \$conf is not in the Slurm $SLURM_RELEASE root (instance down?)\" >&2; exit 1; }"
       echo 'dir=$(pwd -P 2>/dev/null) || dir=/'
       echo "[ -d \"$ROOT\$dir\" ] || dir=/"
       echo "exec chroot $ROOT /usr/bin/env -C \"\$dir\" $path \"\$@\""
