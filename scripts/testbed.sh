@@ -1212,7 +1212,11 @@ case "${1:-}" in
   status) status ;;
   env)
     echo "export SLURM_CONF=$CONF"
-    if [ -n "$ROOT" ]; then echo "export PATH=\"$WRAPPERS:\$PATH\""; fi
+    if [ -n "$ROOT" ]; then
+      echo "export PATH=\"$WRAPPERS:\$PATH\""
+    else # the host's commands: drop another instance's wrappers from the caller's PATH
+      echo "export PATH=\$(printf %s \"\$PATH\" | tr : '\\n' | grep -vE '/hpcelastic-testbed-[a-z0-9]+/bin\$' | paste -sd: -)"
+    fi
     ;;
   image) build_image ;;
   install-root) # the Debian root of TESTBED_SLURM (24.11), for CI's setup; nothing else

@@ -58,7 +58,7 @@ class Testbed:
         found = {}
         for line in self.run("env").stdout.splitlines():
             m = re.fullmatch(r'export (\w+)="?(.*?)(?::\$PATH)?"?', line.strip())
-            if m:
+            if m and "$(" not in m.group(2):  # not the shell code that cleans PATH (env() does it)
                 found[m.group(1)] = m.group(2)
         return found
 

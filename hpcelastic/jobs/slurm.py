@@ -179,6 +179,9 @@ class JobInfo:
     exit_code: tuple[int, int] | None = None
     #: When a pending job may start (a requeued one: cred_expire + 1 s after it stopped).
     eligible_time: float | None = None
+    #: Whether Slurm may requeue the job (``Requeue=1``); None when not shown.
+    requeue: bool | None = None
+    partition: str = ""
 
 
 def parse_limit(value: str | None) -> int | None:
@@ -210,6 +213,8 @@ def job_info_from(rec: Mapping[str, str]) -> JobInfo:
         reason=rec.get("Reason", ""),
         exit_code=slurm_output.parse_exit_code(rec.get("ExitCode")),
         eligible_time=parse_time(rec.get("EligibleTime")),
+        requeue={"1": True, "0": False}.get(rec.get("Requeue", "")),
+        partition=rec.get("Partition", "").split(",")[0],
     )
 
 
@@ -266,6 +271,16 @@ def partition_node_states(partition: str) -> dict[str, str]:
 def config_value(key: str) -> str | None:
     """One value of ``scontrol show config`` (``SlurmdTimeout`` -> ``60 sec``), None when absent."""
     return slurm_output.config_values(run_slurm(["scontrol", "show", "config"]), [key]).get(key)
+
+
+def preempt_mode(partition: str) -> str:
+    """The PreemptMode of ``partition`` (``REQUEUE``, ``CANCEL``, ``OFF``...), the cluster's where the
+    partition sets none; empty when Slurm cannot say."""
+    try:
+        records = slurm_output.parse_records(run_slurm(["scontrol", "show", "partition", "-o", partition]))
+    except SlurmError:
+        return ""
+    return records[0].get("PreemptMode", "") if records else ""
 
 
 def release() -> tuple[int, int] | None:

@@ -127,6 +127,7 @@ JOB_FIELDS: dict[str, tuple[str, Any]] = {
     "JobState": ("job_state", _state_text),
     "Reason": ("state_reason", str),
     "Restarts": ("restart_cnt", _int_text),
+    "Requeue": ("requeue", lambda v: "1" if v is True or v == 1 else "0"),
     "ExitCode": ("exit_code", _exit_text),
     "SubmitTime": ("submit_time", _time_text),
     "EligibleTime": ("eligible_time", _time_text),
