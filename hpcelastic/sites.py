@@ -264,6 +264,14 @@ SCHEMA: dict[str, Key] = {
         nullable=False,
         option="Requeues after failures.",
     ),
+    "requeue.expedite": Key(
+        bool,
+        True,
+        "submit with Slurm's expedited requeue (--requeue=expedite) where Slurm offers it (25.11 and later, "
+        "SlurmctldParameters=enable_expedited_requeue): a job a node failure ends is requeued at once, at "
+        "top priority, on its healthy nodes",
+        nullable=False,
+    ),
     "requeue.grace_period": Key(
         int,
         60,

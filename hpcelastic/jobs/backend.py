@@ -81,6 +81,7 @@ def _meta(request: JobRequest, backend: str) -> dict:
         "requeue_mode": spec.requeue_mode,
         "max_requeues": spec.max_requeues,
         "signal_lead_s": spec.signal_lead_s,
+        "requeue_expedite": spec.expedite,
         "sbatch_args": list(request.sbatch_args),
         "sbatch_command": list(request.sbatch_command) if backend == "sbatch" else None,
         "agent_argv": list(request.agent_argv),

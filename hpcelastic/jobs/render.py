@@ -107,7 +107,7 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
             out.append(_option(name, value))
     out += [
         # In resubmit mode hpcelastic chains a new job itself; Slurm must not requeue this one too.
-        _option("requeue" if spec.requeue_mode == "requeue" else "no-requeue"),
+        _requeue_option(spec),
         # Slurm keeps the allocation when a node dies (the batch host's node excepted) instead of
         # killing and requeueing the whole job: the survivors go on in the same allocation.
         _option("no-kill"),
@@ -119,6 +119,14 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
     # Site directives are written by the admin as options; each is one shell-free line.
     out += list(spec.sbatch_directives_site)
     return tuple(out)
+
+
+def _requeue_option(spec: JobSpec) -> str:
+    """``--requeue`` (``=expedite`` where Slurm offers it: top priority, no credential wait, the job's
+    healthy nodes held for it after a node failure), or ``--no-requeue`` in resubmit mode."""
+    if spec.requeue_mode != "requeue":
+        return _option("no-requeue")
+    return _option("requeue", "expedite") if spec.expedite else _option("requeue")
 
 
 def agent_command(spec: JobSpec) -> AgentCommand:

@@ -230,6 +230,11 @@ def dependent_job(job_id: str) -> str | None:
     return None
 
 
+def set_requeue(job_id: str, requeue: bool) -> None:
+    """``scontrol update JobId=<id> Requeue=0|1``: whether Slurm may requeue the job."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"Requeue={int(requeue)}"])
+
+
 def requeue(job_id: str) -> None:
     """``scontrol requeue <id>``: the job keeps its id and becomes pending again."""
     run_slurm(["scontrol", "requeue", str(job_id)])
@@ -281,6 +286,24 @@ def preempt_mode(partition: str) -> str:
     except SlurmError:
         return ""
     return records[0].get("PreemptMode", "") if records else ""
+
+
+#: The first release with the expedited requeue (``sbatch --requeue=expedite``).
+EXPEDITE_RELEASE = (25, 11)
+
+
+def expedited_requeue() -> bool:
+    """Whether this cluster's Slurm requeues ``--requeue=expedite`` jobs expedited: 25.11 or later, with
+    ``enable_expedited_requeue`` in SlurmctldParameters (or SchedulerParameters, as some sites set it)."""
+    found = release()
+    if found is None or found < EXPEDITE_RELEASE:
+        return False
+    try:
+        text = run_slurm(["scontrol", "show", "config"])
+    except SlurmError:
+        return False
+    params = slurm_output.config_values(text, ["SlurmctldParameters", "SchedulerParameters"])
+    return any("enable_expedited_requeue" in v for v in params.values())
 
 
 def release() -> tuple[int, int] | None:

@@ -11,7 +11,7 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,25 @@ class JobSpec:
     min_replica_groups: int = 1
     warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
     container: Container | None = None  # the agent runs in this container (hpcelastic.jobs.container)
+    #: Submit with ``--requeue=expedite`` (Slurm 25.11+ that offers it: :func:`with_slurm_facts`).
+    expedite: bool = False
 
     @property
     def nodes_text(self) -> str:
         """``MIN:MAX`` as the agent takes it."""
         return f"{self.nodes_min}:{self.nodes_max}"
+
+
+def with_slurm_facts(spec: JobSpec) -> JobSpec:
+    """``spec`` with what the cluster's Slurm offers (asked here, at the edge; ``build_spec`` asks nothing):
+    the expedited requeue where the site wants it, in requeue mode, on the sbatch backend."""
+    if not spec.config.get("requeue", {}).get("expedite") or spec.requeue_mode != "requeue":
+        return spec
+    if spec.backend != "sbatch":
+        return spec
+    from hpcelastic.jobs import slurm
+
+    return replace(spec, expedite=slurm.expedited_requeue())
 
 
 def check_hostlist(text: str, what: str) -> None:

@@ -237,3 +237,15 @@ def test_srun_gets_every_cpu_the_job_holds_on_a_node(
     assert text.index("\nagent_cpus=") < text.index(srun)
     environ = {"SLURM_CPUS_ON_NODE": on_node, "SLURM_JOB_CPUS_PER_NODE": per_node}
     assert _agent_cpus(text, {k: v for k, v in environ.items() if v is not None}) == cpus
+
+
+def test_expedited_requeue_where_slurm_offers_it(tmp_path: Path) -> None:
+    """Slurm 25.11's ``--requeue=expedite`` replaces ``--requeue`` when the cluster offers it (``with_slurm_facts``
+    asks); resubmit mode stays ``--no-requeue``. Designed from Slurm's documentation: no 25.11 here to run it."""
+    from dataclasses import replace
+
+    spec = make_spec(tmp_path)
+    assert "--requeue" in directives(render(spec).script_text)
+    assert "--requeue=expedite" in directives(render(replace(spec, expedite=True)).script_text)
+    resubmit = make_spec(tmp_path, overrides={"requeue.mode": "resubmit"})
+    assert "--no-requeue" in directives(render(resubmit).script_text)

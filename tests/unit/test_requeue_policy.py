@@ -278,9 +278,9 @@ def test_bad_nodes_are_excluded_once_the_job_is_pending(
     assert (out.action, out.job_id, out.next_attempt) == ("requeued", "123", 1)
     verbs = [c[1] for c in _calls(log) if c[1] != "--json"]  # the first show asks for JSON (23.02+)
     # First: is Slurm cancelling it? Then: does the job hold GRES (the fake one holds none: no wait for
-    # dead nodes), requeue, and exclude node2 once the job is pending.
-    assert verbs == ["show", "show", "requeue", "show", "update"]
-    assert _calls(log)[-1][-1] == "ExcNodeList=node2"
+    # dead nodes), requeue, and exclude node2 once the job is pending; then how long Slurm holds it.
+    assert verbs == ["show", "show", "requeue", "show", "update", "show"]
+    assert _calls(log)[-2][-1] == "ExcNodeList=node2" and _calls(log)[-1][1:] == ["show", "config"]
     ev = rd.events()[-1]
     assert (
         ev["event"] == "requeued" and ev["attempt"] == 1 and ev["exclude"] == ["node2"] and ev["note"] is None
