@@ -240,8 +240,9 @@ def test_srun_gets_every_cpu_the_job_holds_on_a_node(
 
 
 def test_expedited_requeue_where_slurm_offers_it(tmp_path: Path) -> None:
-    """Slurm 25.11's ``--requeue=expedite`` replaces ``--requeue`` when the cluster offers it (``with_slurm_facts``
-    asks); resubmit mode stays ``--no-requeue``. Designed from Slurm's documentation: no 25.11 here to run it."""
+    """Slurm 25.11's ``--requeue=expedite`` replaces ``--requeue`` when the cluster offers it
+    (``with_slurm_facts`` asks); resubmit mode stays ``--no-requeue``. Designed from Slurm's documentation:
+    there is no 25.11 here to run it."""
     from dataclasses import replace
 
     spec = make_spec(tmp_path)
