@@ -318,21 +318,6 @@ make_wrappers() { # $STATE/bin/CMD: the root's CMD, run in the caller's working 
   case ":$PATH:" in *":$WRAPPERS:"*) ;; *) export PATH="$WRAPPERS:$PATH" ;; esac
 }
 
-start_root_munge() { # the root's own munged (its /run, its key), shared by the root's instances
-  if [ -S "$ROOT/run/munge/munge.socket.2" ] && chroot "$ROOT" munge -n </dev/null >/dev/null 2>&1; then
-    return 0
-  fi
-  chroot "$ROOT" sh -c '
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    chmod 0755 /run/munge
-    if [ ! -s /etc/munge/munge.key ]; then
-      dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-      chown munge:munge /etc/munge/munge.key
-      chmod 0400 /etc/munge/munge.key
-    fi
-    runuser -u munge -- /usr/sbin/munged'
-}
 
 # --- A container image for the container tests (`image`) ------------------------------------------
 # A Debian trixie root with no Slurm in it (`debootstrap --variant=minbase`, the debs from the Slurm
@@ -530,11 +515,8 @@ write_config() {
   fi
 }
 
-start_munge() {
-  # One munged serves every instance (same key); it is never stopped by `down`.
-  if [ -S /run/munge/munge.socket.2 ] && munge -n </dev/null >/dev/null 2>&1; then
-    return 0
-  fi
+# munged with its directories and key (made on first use), as Debian's service starts it.
+MUNGED='
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
   chmod 0755 /run/munge
@@ -543,7 +525,16 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key
     chmod 0400 /etc/munge/munge.key
   fi
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged'
+
+start_munge() { # [ROOT]: the host's munged, or a Slurm root's own (its /run, its key)
+  # One munged serves every instance of a Slurm (same key); it is never stopped by `down`.
+  local root=${1:-} in=()
+  if [ -n "$root" ]; then in=(chroot "$root"); fi
+  if [ -S "$root/run/munge/munge.socket.2" ] && "${in[@]}" munge -n </dev/null >/dev/null 2>&1; then
+    return 0
+  fi
+  "${in[@]}" sh -c "$MUNGED"
 }
 
 wait_for() {
@@ -1096,7 +1087,7 @@ up() {
     build_root
     root_mounts
     make_wrappers
-    start_root_munge
+    start_munge "$ROOT"
   else
     start_munge
   fi

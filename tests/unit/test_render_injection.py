@@ -60,6 +60,20 @@ def _case(tmp_path: Path) -> Path:
     return case
 
 
+def run_shimmed(case: Path, script: Path) -> None:
+    """Run the rendered ``script`` under bash with nothing on PATH but the case's shims; every other
+    command it tries is logged (and must not be), and it must succeed."""
+    run_env = {
+        "PATH": str(case / "bin"),
+        "SHIM_OUT": str(case / "out"),
+        "NOT_FOUND_LOG": str(case / "not-found"),
+        "BASH_FUNC_command_not_found_handle%%": NOT_FOUND,
+    }
+    proc = subprocess.run(["/bin/bash", str(script)], env=run_env, capture_output=True, text=True, timeout=30)
+    assert not (case / "not-found").exists(), (case / "not-found").read_text()
+    assert proc.returncode == 0, proc.stderr
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     env=st.dictionaries(anything, anything, max_size=3),
@@ -103,15 +117,7 @@ def test_no_user_value_runs_a_command(
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     before = sorted(p.name for p in case.iterdir())
-    run_env = {
-        "PATH": str(case / "bin"),
-        "SHIM_OUT": str(case / "out"),
-        "NOT_FOUND_LOG": str(case / "not-found"),
-        "BASH_FUNC_command_not_found_handle%%": NOT_FOUND,
-    }
-    proc = subprocess.run(["/bin/bash", str(script)], env=run_env, capture_output=True, text=True, timeout=30)
-    assert not (case / "not-found").exists(), (case / "not-found").read_text()
-    assert proc.returncode == 0, proc.stderr
+    run_shimmed(case, script)
     assert sorted(p.name for p in case.iterdir()) == sorted([*before, "out.python", "out.srun"])
     srun = json.loads((case / "out.srun").read_text())
     assert srun["argv"][srun["argv"].index("--") + 1 :] == [str(case / "train.py")]
@@ -171,15 +177,7 @@ def test_no_container_value_runs_a_command(
         return
     script = case / "job.sbatch"
     script.write_text(text)
-    run_env = {
-        "PATH": str(case / "bin"),
-        "SHIM_OUT": str(case / "out"),
-        "NOT_FOUND_LOG": str(case / "not-found"),
-        "BASH_FUNC_command_not_found_handle%%": NOT_FOUND,
-    }
-    proc = subprocess.run(["/bin/bash", str(script)], env=run_env, capture_output=True, text=True, timeout=30)
-    assert not (case / "not-found").exists(), (case / "not-found").read_text()
-    assert proc.returncode == 0, proc.stderr
+    run_shimmed(case, script)
     argv = json.loads((case / "out.srun").read_text())["argv"]
     agent = argv.index("-m") - 1
     assert argv[agent] == (python or "python3")
