@@ -78,8 +78,8 @@ def from_config(values: Mapping[str, Any], site: str) -> Container | None:
     if not runtime:
         if image:
             raise UserError(
-                f"site {site!r}: container.image is set but container.runtime is not; "
-                f"add container: {{runtime: {'|'.join(RUNTIMES)}}}"
+                f"site {site!r}: container.image is set but no container.runtime; set it in the site's "
+                f"container: section or with --container-runtime ({', '.join(RUNTIMES)})"
             )
         return None
     if not image:

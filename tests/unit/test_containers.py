@@ -155,7 +155,7 @@ def test_slurm_22_05_oci_mode_is_refused(tmp_path: Path) -> None:
     ("section", "message"),
     [
         ({"runtime": "podman"}, "needs container.image"),
-        ({"image": "x.sif"}, "container.runtime is not"),
+        ({"image": "x.sif"}, "no container.runtime"),
         ({"runtime": "apptainer", "image": "x.sif", "mounts": ["data:/data"]}, "absolute paths"),
         ({"runtime": "apptainer", "image": "x.sif", "mounts": ["/a,b:/c"]}, "comma"),
         ({"runtime": "docker", "image": "x"}, "must be one of pyxis, apptainer, podman, oci"),
