@@ -222,7 +222,7 @@ def test_preemption_with_and_without_grace_and_the_time_limit(
     )  # fmt: skip
     limited, limited_run = submit(
         tmp_path, "limited", "--nodes", "1", "--time", "2", f"--sbatch-arg=--nodelist={NAME}3",
-        train=(*train_args(steps), "--step-time", "0.2"),
+        train=(*train_args(steps), "--step-time", "0.6"),  # 90 s: past the signal 60 s before the limit
     )  # fmt: skip
     wait_job_state(job, {"RUNNING"}, 60)
 
