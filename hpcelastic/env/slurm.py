@@ -39,6 +39,7 @@ from hpcelastic.env.base import (
     visible_gpus,
 )
 from hpcelastic.errors import UserError
+from hpcelastic.jobs.container import CONTAINER_ENV
 from hpcelastic.parse import ASCII_INT
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -196,7 +197,7 @@ class SlurmEnvironment(Environment):
         if len(hosts) != num_nodes:
             raise UserError(f"SLURM_STEP_NUM_NODES={num_nodes} disagrees with the node list {nodelist!r}")
         if facts.node_id is None:
-            if self.environ.get("HPCELASTIC_CONTAINER") == "oci":
+            if self.environ.get(CONTAINER_ENV) == "oci":
                 raise UserError(
                     "SLURM_NODEID is not set in the container: this Slurm's OCI mode (srun --container) does "
                     "not pass the per-task variables (22.05 does not, 24.11 does); use container.runtime "
