@@ -92,7 +92,8 @@ def run_slurm(
         proc.communicate()
         raise SlurmError(f"'{argv[0]}' did not answer within {timeout:.0f} s", transient=True) from None
     if proc.returncode != 0:
-        msg = (stderr or stdout).strip().splitlines()
+        # The last line that says something (not getopt's 'Try "scontrol --help" ...' hint).
+        msg = [line for line in (stderr or stdout).strip().splitlines() if not line.startswith("Try ")]
         text = msg[-1] if msg else f"exit code {proc.returncode}"
         text = re.sub(r"^(sbatch|scontrol|squeue|scancel|srun): error: ", "", text)
         transient = any(p in text.lower() for p in _TRANSIENT_PATTERNS)

@@ -52,8 +52,9 @@ state = open(state_file).read() if os.path.exists(state_file) else "RUNNING"
 if mode == "unreachable":
     sys.stderr.write("scontrol: error: Unable to contact slurm controller (connect failure)\\n")
     sys.exit(1)
-if sys.argv[1] == "--json":  # as 22.05's scontrol
+if sys.argv[1] == "--json":  # as 22.05's scontrol says it
     sys.stderr.write("scontrol: unrecognized option '--json'\\n")
+    sys.stderr.write("Try \\"scontrol --help\\" for more information\\n")
     sys.exit(1)
 if sys.argv[1:3] == ["show", "job"]:
     end = os.environ.get("FAKE_END", "Unknown")
