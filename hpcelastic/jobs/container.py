@@ -141,7 +141,6 @@ def job_mounts(
 
 def wrap(
     container: Container,
-    srun: Sequence[str],
     agent: Sequence[str],
     *,
     mounts: Sequence[str],
@@ -150,10 +149,10 @@ def wrap(
     gpus: bool,
     bundle: str,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``(srun words, command words)`` of the step that runs ``agent`` in ``container``: the runtime's
-    options go on srun (pyxis, oci) or before the agent's command (apptainer, podman). ``env_names``:
-    variables the batch script exports (podman passes only what it is told); ``bundle``: the run's own
-    OCI bundle directory."""
+    """``(srun's options, the command srun runs)`` of the step that runs ``agent`` in ``container``: the
+    runtime's options go on srun (pyxis, oci) or before the agent's command (apptainer, podman).
+    ``env_names``: variables the batch script exports (podman passes only what it is told); ``bundle``:
+    the run's own OCI bundle directory."""
     c, work = container, container.workdir or workdir
     if c.runtime == "pyxis":
         opts = (
@@ -161,13 +160,13 @@ def wrap(
             f"--container-mounts={','.join(mounts)}",
             f"--container-workdir={work}",
         )
-        return (*srun, *opts, *c.args), tuple(agent)
+        return (*opts, *c.args), tuple(agent)
     if c.runtime == "oci":
-        return (*srun, f"--container={bundle}", *c.args), tuple(agent)
+        return (f"--container={bundle}", *c.args), tuple(agent)
     if c.runtime == "apptainer":
         binds = ("--bind", ",".join(mounts)) if mounts else ()
         words = ("apptainer", "exec", *(("--nv",) if gpus else ()), *binds, "--pwd", work, *c.args, c.image)
-        return tuple(srun), (*words, *agent)
+        return (), (*words, *agent)
     volumes = [w for m in mounts for w in ("-v", m)]
     named = [n for n in env_names if not any(n.startswith(p.rstrip("*")) for p in PODMAN_ENV)]
     envs = [w for name in (*PODMAN_ENV, *named) for w in ("-e", name)]
@@ -186,7 +185,7 @@ def wrap(
         *c.args,
         c.image,
     )
-    return tuple(srun), (*words, *agent)
+    return (), (*words, *agent)
 
 
 def oci_bundle(image: str, mounts: Sequence[str], workdir: str) -> bytes:

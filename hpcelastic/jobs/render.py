@@ -178,7 +178,6 @@ def step_words(
         return (), tuple(argv)
     return containers.wrap(
         c,
-        (),
         argv,
         mounts=container_mounts(spec),
         workdir=spec.cwd,
