@@ -124,7 +124,7 @@ def jobs_running_script(script: str | os.PathLike[str]) -> list[str]:
     return [jid for jid, command in slurm_output.parse_rows(out, 2) if command == wanted]
 
 
-#: Whether an scontrol (by its path) has ``--json`` (23.02 and later); learnt from its first call.
+#: Whether an scontrol (by its path) has ``--json`` (24.11 does, 22.05 not); learnt from its first call.
 _scontrol_json: dict[str | None, bool] = {}
 
 

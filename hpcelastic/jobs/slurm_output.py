@@ -6,7 +6,7 @@ is not (measured on 22.05 and 24.11, the release notes for the rest; captured ou
 
 * ``scontrol show job -o`` (one ``Key=Value`` line) has kept its keys and formats since long
   before 22.05: the fallback for every release.
-* ``scontrol --json show job`` exists from 23.02 (22.05's scontrol has no ``--json``). Its shape
+* ``scontrol --json show job`` exists in 24.11, not in 22.05 (hpcelastic asks each scontrol once). Its shape
   follows the data_parser plugin, which changes with every release: v0.0.38 (22.05, ``squeue
   --json`` only) gives ``job_state`` as a string and times as integers; v0.0.40 (23.11) and later
   give ``job_state`` as a list (the base state, then flags) and numbers as ``{"set", "infinite",
