@@ -131,6 +131,11 @@ def job_mounts(
         if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
             kept.append(p)
     for p in kept:
+        if p == "/":
+            raise UserError(
+                "/ cannot be mounted into a container (it would hide the image); submit from a directory of "
+                "the job's, with the script and run directory below it or elsewhere"
+            )
         if any(c in p for c in ",:") or any(c.isspace() or c == "\0" for c in p):
             raise UserError(
                 f"{p!r} cannot be mounted into a container (a comma, colon or space in the path); "
