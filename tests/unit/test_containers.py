@@ -230,3 +230,5 @@ def test_mounts_refuse_paths_that_cannot_be_mounted(tmp_path: Path) -> None:
         "/w:/w",
         "/d:/d",
     )
+    with pytest.raises(UserError, match="would hide the image"):
+        container.job_mounts("/w/run", "/w/run/ckpt", "/train.py", "/w", ())
