@@ -228,10 +228,14 @@ umount_under() { # DIR: unmount everything mounted at or below DIR; stops while 
 }
 
 build_root() { # the Debian root of SLURM_RELEASE, built once (its mark names its suite and packages)
-  local want tmp
+  local want tmp lock
   want="$SUITE $ROOT_PACKAGES"
   if [ -f "$ROOT/$ROOT_MARK" ] && [ "$(cat "$ROOT/$ROOT_MARK")" = "$want" ]; then return 0; fi
   need_root
+  mkdir -p "$ROOTS"
+  exec {lock}>"$ROOTS/.build.lock"
+  flock "$lock" # a parallel `up` builds it meanwhile: then it is there
+  if [ -f "$ROOT/$ROOT_MARK" ] && [ "$(cat "$ROOT/$ROOT_MARK")" = "$want" ]; then return 0; fi
   if ! command -v debootstrap >/dev/null; then
     log "installing debootstrap"
     export DEBIAN_FRONTEND=noninteractive
@@ -270,8 +274,11 @@ root_bind() { # PATH: bind-mounted at the same path inside the root (once)
 }
 
 root_mounts() { # what the root's daemons and jobs see of the host; the mounts stay until a rebuild
-  local d repo
+  local d repo lock
   repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+  # Instances of the root come up in parallel (one test worker each): one at a time here.
+  exec {lock}>"$ROOTS/.mounts.lock"
+  flock "$lock"
   if ! mountpoint -q "$ROOT"; then
     # The root a mount of its own, under everything else: runc (Slurm's OCI support) makes the
     # container's "/" a slave mount, which fails (EINVAL) where "/" is no mount point.
@@ -295,6 +302,7 @@ root_mounts() { # what the root's daemons and jobs see of the host; the mounts s
     root_bind "$ROOTS/oci-bundle"
   fi
   cp /etc/hosts "$ROOT/etc/hosts" # the node names (write_hosts)
+  exec {lock}>&-
 }
 
 make_wrappers() { # $STATE/bin/CMD: the root's CMD, run in the caller's working directory
@@ -345,8 +353,11 @@ EOF
 }
 
 build_image() { # the image root, the podman image and the OCI bundle, once
-  local root=$ROOTS/image-trixie want bundle=$ROOTS/oci-bundle
+  local root=$ROOTS/image-trixie want bundle=$ROOTS/oci-bundle lock
   need_root
+  mkdir -p "$ROOTS"
+  exec {lock}>"$ROOTS/.image.lock"
+  flock "$lock"
   command -v podman >/dev/null && command -v runc >/dev/null || {
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
