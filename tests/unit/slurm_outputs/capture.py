@@ -1,9 +1,12 @@
 """Capture what real Slurm prints for the jobs hpcelastic asks about, into ``<release>/`` beside this file.
 
-Run as root against a running testbed instance (scripts/testbed.sh) of the release to capture::
+Run as root against a running testbed instance (scripts/testbed.sh) of the release to capture, with 3 nodes
+and a short SlurmdTimeout (its last node is killed and revived)::
 
-    python tests/unit/slurm_outputs/capture.py next     # 24.11 (TESTBED_SLURM=24.11)
-    python tests/unit/slurm_outputs/capture.py oldv     # 22.05, the host's
+    TESTBED_NAME=next TESTBED_INDEX=30 TESTBED_SLURM=24.11 TESTBED_NODES=3 TESTBED_SLURMD_TIMEOUT=10 \
+        scripts/testbed.sh up
+    python tests/unit/slurm_outputs/capture.py next     # 24.11
+    python tests/unit/slurm_outputs/capture.py oldv     # 22.05, the host's (an instance up likewise)
 
 It submits sleeping jobs and brings each into a state hpcelastic must read (running on 2 nodes with
 GPUs, pending again after a requeue with ExcNodeList, an array task, completed, failed, cancelled,
