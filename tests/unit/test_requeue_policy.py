@@ -381,3 +381,18 @@ def test_end_attempt_reads_the_root_cause_from_the_event_log(rd: RunDir) -> None
     assert out.exit_code == Reason.STARTUP_FAILURE.exit_code
     ended = rd.events().of(events.ATTEMPT_ENDED)
     assert ended[0]["signature"] is not None and ended[0]["signature"] == ended[1]["signature"]
+
+
+def test_a_job_given_up_on_is_not_held_by_the_expedited_requeue(
+    rd: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm 25.11 holds (REQUEUE_HOLD) an ``--requeue=expedite`` job that exits non-zero with healthy
+    epilogs: a job hpcelastic does not bring back gets ``Requeue=0`` first (from Slurm's documentation;
+    no 25.11 here)."""
+    log = _fake_bin(tmp_path, monkeypatch, {"scontrol": _FAKE_SCONTROL})
+    monkeypatch.setenv("FAKE_SCONTROL", "ok")
+    rd.write_meta({**rd.read_meta(), "requeue_expedite": True})
+    out = _conclude(rd, 0, "restarts_exhausted", 3, [], "123", max_requeues=0)
+    assert out.action == "skipped"
+    assert ["scontrol", "update", "JobId=123", "Requeue=0"] in _calls(log)
+    assert not [c for c in _calls(log) if c[1] == "requeue"]
