@@ -34,12 +34,12 @@ def prepare(
     """
     from hpcelastic import sites
     from hpcelastic.jobs.options import split
-    from hpcelastic.jobs.spec import build_spec
+    from hpcelastic.jobs.spec import build_spec, with_slurm_facts
 
     overrides, rest = split(options)
     given = {k: v for k, v in rest.items() if v is not None}
     config = sites.resolve(given.pop("site", None), overrides)
-    return build_spec(config, script=script, script_args=script_args, cwd=cwd, **given)
+    return with_slurm_facts(build_spec(config, script=script, script_args=script_args, cwd=cwd, **given))
 
 
 @dataclass(frozen=True)

@@ -357,8 +357,10 @@ def requeued(
     duration_s: float,
     note: str | None,
     by: Requeuer = Requeuer.HPCELASTIC,
+    hold_s: int | None = None,
 ) -> Event:
-    """The job is queued again with the same id; ``by``: who requeued it (Slurm: hpcelastic did not)."""
+    """The job is queued again with the same id; ``by``: who requeued it (Slurm: hpcelastic did not);
+    ``hold_s``: how long Slurm holds it before it may start (cred_expire + 1 s), when known."""
     return _event(
         REQUEUED,
         job_id=job_id,
@@ -368,6 +370,7 @@ def requeued(
         duration_s=duration_s,
         note=note,
         by=by,
+        hold_s=hold_s,
     )
 
 

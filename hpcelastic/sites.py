@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
+from hpcelastic.jobs.container import RUNTIMES, from_config
 from hpcelastic.parse import (
     CONSOLE_MODES,
     MAX_GRACE_PERIOD_S,
@@ -81,6 +82,15 @@ def _env_names(value: Mapping[str, Any]) -> str | None:
         return f"{bad[0]!r} is not a valid environment variable name"
     nul = [k for k, v in value.items() if "\0" in str(v)]
     return f"{nul[0]}: the value contains a NUL byte, which no environment can carry" if nul else None
+
+
+def _interpreter(value: Any) -> str | None:
+    if any(c.isspace() for c in value):
+        return (
+            f"{value!r} is a command, not an interpreter path: to run the agent in a container "
+            "(apptainer, podman, pyxis, Slurm's OCI), set the site's container: section (runtime, image)"
+        )
+    return None
 
 
 def _time_value(value: Any) -> str | None:
@@ -209,7 +219,41 @@ SCHEMA: dict[str, Key] = {
     ),
     "sbatch_directives": Key(list, [], "extra #SBATCH options, e.g. '--mem=0' or '--exclusive'", item=str),
     "python": Key(
-        str, None, "interpreter that runs the agent on the nodes (default: the one running submit)"
+        str,
+        None,
+        "interpreter that runs the agent (and finalize) on the nodes (default: the one running submit); "
+        "one path: a container goes in container:",
+        check=_interpreter,
+    ),
+    "container.runtime": Key(
+        str,
+        None,
+        "run the agent and its workers in a container: pyxis (enroot), apptainer (or singularity), podman, "
+        "or oci (Slurm's own, srun --container with the site's oci.conf)",
+        choices=RUNTIMES,
+    ),
+    "container.image": Key(
+        str,
+        None,
+        "the image: pyxis an enroot image (docker://...), apptainer a .sif, podman a name, oci a bundle "
+        "directory; it must have Python with hpcelastic",
+    ),
+    "container.mounts": Key(
+        list,
+        [],
+        "more SRC[:DST[:OPTIONS]] mounts (the run, checkpoint, script and working directories always are)",
+        item=str,
+    ),
+    "container.workdir": Key(str, None, "working directory inside the container (default: the job's)"),
+    "container.python": Key(
+        str, None, "the interpreter inside the image (default: python3)", check=_interpreter
+    ),
+    "container.args": Key(
+        list,
+        [],
+        "extra words for the runtime, e.g. podman's ['--device', 'nvidia.com/gpu=all'] (apptainer exec, "
+        "podman run; srun's for pyxis and oci)",
+        item=str,
     ),
     "run_root": Key(str, "./hpcelastic-runs", "where run directories are created", nullable=False),
     "template": Key(
@@ -247,6 +291,14 @@ SCHEMA: dict[str, Key] = {
         nullable=False,
         option="Requeues after failures.",
     ),
+    "requeue.expedite": Key(
+        bool,
+        True,
+        "submit with Slurm's expedited requeue (--requeue=expedite) where Slurm offers it (25.11 and later, "
+        "SlurmctldParameters=enable_expedited_requeue): a job a node failure ends is requeued at once, at "
+        "top priority, on its healthy nodes",
+        nullable=False,
+    ),
     "requeue.grace_period": Key(
         int,
         60,
@@ -268,7 +320,12 @@ def option_keys() -> dict[str, str]:
 
 COMMAND_LINE = "command line"
 # Keys whose command-line flag is not simply --<last part of the key>.
-FLAG_OF = {"signal.name": "--signal", "signal.lead_time": "--signal"}
+FLAG_OF = {
+    "signal.name": "--signal",
+    "signal.lead_time": "--signal",
+    "container.image": "--container-image",
+    "container.runtime": "--container-runtime",
+}
 FLAG_OF.update({k: "--" + k.rsplit(".", 1)[-1].replace("_", "-") for k in SCHEMA if k not in FLAG_OF})
 
 SECTIONS = sorted({k.split(".", 1)[0] for k in SCHEMA if "." in k})
@@ -348,6 +405,13 @@ def check(tree: Any, source: str) -> tuple[dict[str, Any], list[str]]:
         if problem:
             where = FLAG_OF.get(path, path) if source == COMMAND_LINE else path
             found.append(f"{source}: {where}: {problem}")
+    container = any(k.startswith("container.") and v is not None for k, v in flat.items())
+    if not found and source != COMMAND_LINE and container:
+        # A file's container: section stands alone (the command line may add only --container-image).
+        try:
+            from_config(flat, source)
+        except UserError as e:
+            found.append(str(e))
     return flat, found
 
 

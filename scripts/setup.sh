@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 log() { printf 'setup: %s\n' "$*" >&2; }
 
 # prometheus: the metrics test scrapes a running job with a Prometheus server of its own (on loopback).
-apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium nftables iptables prometheus)
+# debootstrap: the Slurm 24.11 root; podman and runc: the container tests (scripts/testbed.sh).
+apt_packages=(slurm-wlm munge openmpi-bin libopenmpi-dev chromium nftables iptables prometheus debootstrap podman runc)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -26,6 +27,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
     # The package starts a system-wide server where an init system lets it; the tests start their own.
     invoke-rc.d prometheus stop >/dev/null 2>&1 || true
   fi
+fi
+
+# The second Slurm (24.11, a Debian trixie root) and the container tests' image and OCI bundle: built
+# once, then reused (each checks its own mark; about 1.5 minutes the first time).
+if [ "$(id -u)" = 0 ]; then
+  TESTBED_SLURM=24.11 bash scripts/testbed.sh install-root
+  bash scripts/testbed.sh image
 fi
 
 PY=${PYTHON:-python3}

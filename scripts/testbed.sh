@@ -4,6 +4,11 @@
 # device files made with mknod) so Slurm sets CUDA_VISIBLE_DEVICES/SLURM_STEP_GPUS.
 #
 #   scripts/testbed.sh install           apt packages (slurm-wlm, munge, nftables); idempotent
+#   scripts/testbed.sh install-root      the Debian trixie root that runs Slurm 24.11 (TESTBED_SLURM);
+#                                        built once (about 30-60 s, 250 MB), then reused; idempotent
+#   scripts/testbed.sh image             podman (rootful, runc) and a local image without Slurm
+#                                        (localhost/hpcelastic-testbed:trixie) that is also the rootfs of
+#                                        the OCI bundle $TESTBED_ROOTS/oci-bundle; built once; idempotent
 #   scripts/testbed.sh up                write the config, start munge + daemons, wait until idle
 #                                        (an instance that is already running keeps its config)
 #   scripts/testbed.sh down              stop this instance's daemons and its job processes (keeps the config)
@@ -54,6 +59,12 @@
 #            CPUs), task/cgroup (a cpuset per step, cgroup.conf ConstrainCores=yes; works on this
 #            machine's cgroup v1), or "task/cgroup,task/affinity". Binding uses the host's CPU ids:
 #            TESTBED_CPUS_PER_NODE must then be <= the host's CPUs (nproc), or binding fails.
+#   TESTBED_SLURM (22.05): which Slurm runs the instance: 22.05 is the host's (Debian bookworm);
+#            24.11 runs from a Debian trixie root of its own under $TESTBED_ROOTS (default
+#            /var/lib/hpcelastic-testbed-roots), with its own munged; its commands are wrappers in
+#            the instance's state dir bin/, which `env` puts first on PATH (host 22.05 clients cannot
+#            talk to a 24.11 slurmctld). See "A second Slurm" below.
+#   TESTBED_OCI=1: Slurm's OCI support (`srun --container=BUNDLE`): an oci.conf running runc.
 #   TESTBED_NETNS=1: each node gets a network of its own (stored in the state dir; later commands
 #            of the instance go by it): its slurmd, and so every step and process of the node, runs in
 #            network namespace hpce-NAME-NODE with address 198.18.I.i/24 (RFC 2544 benchmarking range)
@@ -86,6 +97,7 @@ UNRESOLVABLE=${TESTBED_UNRESOLVABLE:-}
 PREEMPT=${TESTBED_PREEMPT:-0}
 PREEMPT_GRACE=${TESTBED_PREEMPT_GRACE:-0}
 TASK_PLUGIN=${TESTBED_TASK_PLUGIN:-task/none}
+OCI=${TESTBED_OCI:-0}
 if [ "$NAME" = default ]; then
   INDEX=1
   CONF_DIR=/etc/slurm
@@ -131,6 +143,35 @@ set_net() { # the addresses of the current mode
 set_net
 export SLURM_CONF=$CONF
 
+# Which Slurm runs the instance (TESTBED_SLURM, read on `up` of a stopped instance and stored like
+# TESTBED_NETNS): the host's (Debian bookworm, 22.05) or 24.11 from a Debian trixie root of its own
+# (see "A second Slurm" below). Each release maps to the Debian suite that ships it.
+SLURM_FILE=$STATE/slurm
+read -r SLURM_RELEASE 2>/dev/null <"$SLURM_FILE" || true
+SLURM_RELEASE=${SLURM_RELEASE:-host}
+ROOTS=${TESTBED_ROOTS:-/var/lib/hpcelastic-testbed-roots}
+MIRROR=${TESTBED_MIRROR:-http://deb.debian.org/debian}
+suite_of() { # RELEASE: the Debian suite of its root; nothing for the host's own Slurm
+  case "$1" in
+    host | 22.05) ;;
+    24.11) echo trixie ;;
+    *)
+      printf 'testbed: TESTBED_SLURM must be 22.05 (the host'"'"'s) or 24.11, not %q\n' "$1" >&2
+      exit 2
+      ;;
+  esac
+}
+set_release() { # the root (empty: the host's Slurm) and the wrappers' directory of SLURM_RELEASE
+  SUITE=$(suite_of "$SLURM_RELEASE")
+  ROOT=${SUITE:+$ROOTS/$SUITE}
+  WRAPPERS=$STATE/bin
+  # Another instance's wrappers on the caller's PATH would run the wrong release's commands.
+  PATH=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vE '/hpcelastic-testbed-[a-z0-9]+/bin$' | paste -sd: -)
+  if [ -n "$ROOT" ] && [ -d "$WRAPPERS" ]; then PATH="$WRAPPERS:$PATH"; fi
+  export PATH
+}
+set_release
+
 log() { printf 'testbed[%s]: %s\n' "$NAME" "$*" >&2; }
 
 need_root() {
@@ -142,6 +183,10 @@ need_root() {
 
 install_packages() {
   need_root
+  if [ -n "$ROOT" ]; then
+    build_root
+    return 0
+  fi
   # nft and iptables-legacy (the network faults) are needed by netns instances only.
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
      && command -v sbatch >/dev/null && { { [ "$NETNS" != 1 ] && [ "${TESTBED_NETNS:-0}" != 1 ]; } || { command -v nft && command -v iptables-legacy; } >/dev/null; }; then
@@ -151,6 +196,196 @@ install_packages() {
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends slurm-wlm munge nftables iptables >/dev/null
+}
+
+# --- A second Slurm: a Debian root of its own (TESTBED_SLURM=24.11) --------------------------------
+# Host client commands cannot talk to a newer slurmctld, and two Slurm releases cannot share one
+# /usr. So 24.11 runs from `debootstrap --variant=minbase trixie` in $ROOTS/trixie (built once and
+# reused: `install-root`, or the first `up`), its daemons and every job under chroot: its own munged
+# on its own /run (its own key), the instance's own ports and loopback addresses as any other
+# instance. The host's /tmp, /root, /home, the repository (TESTBED_BINDS: more) and the instance's
+# state and log directories are bind-mounted at the same paths, so the host's Python and the
+# project's .venv run inside and a run directory has one path on both sides. $STATE/bin holds a
+# wrapper per Slurm command that runs the root's command (chroot, same working directory); `env`
+# puts it first on PATH, and inside the root (a job's processes) a wrapper runs the command directly.
+# The root's packages: Slurm, munge, runc (Slurm's OCI mode), and the libraries the host Python's
+# modules link to (ssl, ffi, sqlite, bz2, lzma, uuid, readline, libstdc++ for torch).
+ROOT_PACKAGES="slurmctld slurmd slurm-client munge runc libssl3t64 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libuuid1 libreadline8t64 libncursesw6 libstdc++6"
+ROOT_MARK=.hpcelastic-testbed-root
+SLURM_COMMANDS="sbatch srun salloc scontrol squeue scancel sinfo sacct sattach sprio sstat sdiag scrun slurmctld slurmd munge unmunge"
+
+mounts_under() { # DIR: mount points at or below DIR, deepest first
+  awk -v d="$1" '{ gsub(/\\040/, " ", $5); if ($5 == d || index($5, d "/") == 1) print $5 }' /proc/self/mountinfo | sort -r
+}
+
+umount_under() { # DIR: unmount everything mounted at or below DIR; stops while any is left
+  local m
+  for m in $(mounts_under "$1"); do umount -l "$m" 2>/dev/null || true; done
+  if [ -n "$(mounts_under "$1")" ]; then
+    log "still mounted under $1: $(mounts_under "$1" | xargs); not touching it"
+    exit 1
+  fi
+}
+
+build_root() { # the Debian root of SLURM_RELEASE, built once (its mark names its suite and packages)
+  local want tmp lock
+  want="$SUITE $ROOT_PACKAGES"
+  if [ -f "$ROOT/$ROOT_MARK" ] && [ "$(cat "$ROOT/$ROOT_MARK")" = "$want" ]; then return 0; fi
+  need_root
+  mkdir -p "$ROOTS"
+  exec {lock}>"$ROOTS/.build.lock"
+  flock "$lock" # a parallel `up` builds it meanwhile: then it is there
+  if [ -f "$ROOT/$ROOT_MARK" ] && [ "$(cat "$ROOT/$ROOT_MARK")" = "$want" ]; then return 0; fi
+  if ! command -v debootstrap >/dev/null; then
+    log "installing debootstrap"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+  fi
+  log "building the Slurm $SLURM_RELEASE root: debootstrap $SUITE into $ROOT (about 30 s)"
+  tmp=$ROOT.new
+  mkdir -p "$ROOTS"
+  # What an interrupted build left: never rm -r through a bind mount (same filesystem, so
+  # --one-file-system would not stop it).
+  umount_under "$tmp"
+  rm -rf --one-file-system "$tmp"
+  mkdir -p "$ROOTS/cache"
+  if ! debootstrap --variant=minbase --cache-dir="$ROOTS/cache" --include="${ROOT_PACKAGES// /,}" "$SUITE" "$tmp" "$MIRROR" \
+    >"$ROOTS/$SUITE.log" 2>&1; then
+    tail -n 20 "$ROOTS/$SUITE.log" >&2
+    exit 1
+  fi
+  rm -f "$tmp/var/cache/apt/archives/"*.deb
+  echo "$want" >"$tmp/$ROOT_MARK"
+  if [ -d "$ROOT" ]; then
+    umount_under "$ROOT"
+    rm -rf --one-file-system "$ROOT"
+  fi
+  mv "$tmp" "$ROOT"
+  log "root ready: $(chroot "$ROOT" slurmctld -V)"
+}
+
+root_bind() { # PATH: bind-mounted at the same path inside the root (once)
+  local src=$1 dst=$ROOT$1
+  [ -e "$src" ] || return 0
+  mountpoint -q "$dst" 2>/dev/null && return 0
+  if [ -d "$src" ]; then mkdir -p "$dst"; else mkdir -p "$(dirname "$dst")" && touch "$dst"; fi
+  mount --bind "$src" "$dst"
+}
+
+root_mounts() { # what the root's daemons and jobs see of the host; the mounts stay until a rebuild
+  local d repo lock
+  repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
+  # Instances of the root come up in parallel (one test worker each): one at a time here.
+  exec {lock}>"$ROOTS/.mounts.lock"
+  flock "$lock"
+  if ! mountpoint -q "$ROOT"; then
+    # The root a mount of its own, under everything else: runc (Slurm's OCI support) makes the
+    # container's "/" a slave mount, which fails (EINVAL) where "/" is no mount point.
+    umount_under "$ROOT"
+    mount --bind "$ROOT" "$ROOT"
+  fi
+  mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc"
+  for d in sys dev; do
+    if ! mountpoint -q "$ROOT/$d"; then
+      mount --rbind "/$d" "$ROOT/$d"
+      mount --make-rslave "$ROOT/$d"
+    fi
+  done
+  # shellcheck disable=SC2086
+  for d in /tmp /root /home "$repo" ${TESTBED_BINDS:-}; do root_bind "$d"; done
+  mkdir -p "$STATE" "$LOGS"
+  root_bind "$STATE"
+  root_bind "$LOGS"
+  if [ "$OCI" = 1 ]; then # the container tests' image (`image`): the OCI bundle's rootfs
+    root_bind "$ROOTS/image-trixie"
+    root_bind "$ROOTS/oci-bundle"
+  fi
+  cp /etc/hosts "$ROOT/etc/hosts" # the node names (write_hosts)
+  exec {lock}>&-
+}
+
+make_wrappers() { # $STATE/bin/CMD: the root's CMD, run in the caller's working directory
+  local cmd path
+  mkdir -p "$WRAPPERS"
+  for cmd in $SLURM_COMMANDS; do
+    path=$(chroot "$ROOT" /usr/bin/env PATH=/usr/sbin:/usr/bin:/sbin:/bin sh -c "command -v $cmd" 2>/dev/null) || continue
+    {
+      echo '#!/bin/sh'
+      echo "# $cmd of Slurm $SLURM_RELEASE (testbed instance $NAME), written by scripts/testbed.sh"
+      echo "[ -e /$ROOT_MARK ] && exec $path \"\$@\" # inside the root already (a job's process)"
+      echo 'conf=${SLURM_CONF:-/etc/slurm/slurm.conf}'
+      echo "[ -e \"$ROOT\$conf\" ] || { echo \"$cmd: \$conf is not in the Slurm $SLURM_RELEASE root (instance down?)\" >&2; exit 1; }"
+      echo 'dir=$(pwd -P 2>/dev/null) || dir=/'
+      echo "[ -d \"$ROOT\$dir\" ] || dir=/"
+      echo "exec chroot $ROOT /usr/bin/env -C \"\$dir\" $path \"\$@\""
+    } >"$WRAPPERS/$cmd.tmp"
+    chmod 0755 "$WRAPPERS/$cmd.tmp"
+    mv -f "$WRAPPERS/$cmd.tmp" "$WRAPPERS/$cmd"
+  done
+  case ":$PATH:" in *":$WRAPPERS:"*) ;; *) export PATH="$WRAPPERS:$PATH" ;; esac
+}
+
+
+# --- A container image for the container tests (`image`) ------------------------------------------
+# A Debian trixie root with no Slurm in it (`debootstrap --variant=minbase`, the debs from the Slurm
+# root's cache: no second download) is both the podman image localhost/hpcelastic-testbed:trixie
+# (`podman import`, no registry) and the rootfs of the OCI bundle $ROOTS/oci-bundle (config.json from
+# `runc spec`) that Slurm's OCI support runs. It holds the libraries the host's Python needs; the
+# tests mount the host's Python and the .venv into it. Rootful podman runs here with runc (crun
+# refuses this machine's cgroup layout), cgroupfs and the default ulimits capped (containers.conf).
+IMAGE_PACKAGES="libssl3t64 libffi8 libsqlite3-0 libbz2-1.0 liblzma5 libuuid1 libreadline8t64 libncursesw6 libstdc++6 procps"
+IMAGE_NAME=localhost/hpcelastic-testbed:trixie
+CONTAINERS_CONF=/etc/containers/containers.conf
+
+podman_config() { # rootful podman with runc on this machine; kept if an admin wrote one
+  if [ -s "$CONTAINERS_CONF" ] && ! grep -q 'hpcelastic scripts/testbed.sh' "$CONTAINERS_CONF"; then return 0; fi
+  mkdir -p "$(dirname "$CONTAINERS_CONF")"
+  cat >"$CONTAINERS_CONF" <<'EOF'
+# Written by hpcelastic scripts/testbed.sh: rootful podman for the container tests.
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+EOF
+}
+
+build_image() { # the image root, the podman image and the OCI bundle, once
+  local root=$ROOTS/image-trixie want bundle=$ROOTS/oci-bundle lock
+  need_root
+  mkdir -p "$ROOTS"
+  exec {lock}>"$ROOTS/.image.lock"
+  flock "$lock"
+  command -v podman >/dev/null && command -v runc >/dev/null || {
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends podman runc >/dev/null
+  }
+  podman_config
+  want="trixie $IMAGE_PACKAGES"
+  if ! [ -f "$root/$ROOT_MARK" ] || [ "$(cat "$root/$ROOT_MARK")" != "$want" ]; then
+    umount_under "$root"
+    rm -rf --one-file-system "$root" "$root.new"
+    mkdir -p "$ROOTS/cache"
+    log "building the container image root: debootstrap trixie into $root"
+    debootstrap --variant=minbase --cache-dir="$ROOTS/cache" --include="${IMAGE_PACKAGES// /,}" trixie "$root.new" \
+      "$MIRROR" >"$ROOTS/image-trixie.log" 2>&1 || { tail -n 20 "$ROOTS/image-trixie.log" >&2; exit 1; }
+    rm -f "$root.new/var/cache/apt/archives/"*.deb
+    echo "$want" >"$root.new/$ROOT_MARK"
+    mv "$root.new" "$root"
+    podman rmi -f "$IMAGE_NAME" >/dev/null 2>&1 || true
+  fi
+  if ! podman image exists "$IMAGE_NAME"; then
+    tar -C "$root" -c . | podman import --quiet - "$IMAGE_NAME" >/dev/null
+  fi
+  if [ ! -s "$bundle/config.json" ]; then
+    mkdir -p "$bundle"
+    ln -sfn "$root" "$bundle/rootfs"
+    (cd "$bundle" && runc spec && sed -i 's/"terminal": true/"terminal": false/' config.json)
+  fi
+  log "image $IMAGE_NAME and OCI bundle $bundle ready"
 }
 
 node_names() {
@@ -217,9 +452,14 @@ write_config() {
     echo "SlurmdDebug=info"
     # No cgroups in containers: track processes by parentage.
     echo "ProctrackType=proctrack/linuxproc"
-    echo "TaskPlugin=$TASK_PLUGIN"
-    echo "JobAcctGatherType=jobacct_gather/none"
-    echo "AccountingStorageType=accounting_storage/none"
+    if [ -z "$ROOT" ]; then
+      echo "TaskPlugin=$TASK_PLUGIN"
+      echo "JobAcctGatherType=jobacct_gather/none"
+      echo "AccountingStorageType=accounting_storage/none"
+    elif [ "$TASK_PLUGIN" != task/none ]; then
+      # 23.02 and later have no */none plugins: leaving the key out is "none".
+      echo "TaskPlugin=$TASK_PLUGIN"
+    fi
     echo "SelectType=select/cons_tres"
     echo "SelectTypeParameters=CR_Core"
     echo "SchedulerType=sched/backfill"
@@ -238,7 +478,10 @@ write_config() {
     if [ "$PREEMPT" = 1 ]; then
       echo "PreemptType=preempt/partition_prio"
       echo "PreemptMode=REQUEUE"
-      if [ "$PREEMPT_GRACE" != 0 ]; then echo "SlurmctldParameters=preempt_send_user_signal"; fi
+      if [ "$PREEMPT_GRACE" != 0 ]; then
+        # The same setting under its two names: 22.05's, and PreemptParameters= from 23.02.
+        if [ -z "$ROOT" ]; then echo "SlurmctldParameters=preempt_send_user_signal"; else echo "PreemptParameters=send_user_signal"; fi
+      fi
     fi
     for i in $(seq 1 "$NODES"); do
       echo "NodeName=$PREFIX$i NodeHostname=$host NodeAddr=$NET.$i Port=$((NODE_PORT0 + i)) CPUs=$CPUS RealMemory=4000 Gres=gpu:$GPUS State=UNKNOWN"
@@ -256,20 +499,35 @@ write_config() {
     done
   } >"$CONF_DIR/gres.conf"
   # No cgroup.conf: Slurm 22.05 then uses its defaults, which work in containers
-  # (a "CgroupPlugin=disabled" line is 23.x syntax and makes 22.05 slurmd fail).
+  # (a "CgroupPlugin=disabled" line is 23.x syntax and makes 22.05 slurmd fail). 24.11's slurmd
+  # insists on a cgroup plugin unless told CgroupPlugin=disabled.
   # task/cgroup confines a step to its CPUs only with ConstrainCores=yes (the default is no).
   if [[ "$TASK_PLUGIN" == *task/cgroup* ]]; then
     echo "ConstrainCores=yes" >"$CONF_DIR/cgroup.conf"
+  elif [ -n "$ROOT" ]; then
+    echo "CgroupPlugin=disabled" >"$CONF_DIR/cgroup.conf"
   else
     rm -f "$CONF_DIR/cgroup.conf"
   fi
+  # Slurm's OCI support (srun --container=BUNDLE) with runc, as the site admin docs have it;
+  # `exec`: a step's signal reaches runc itself, which forwards it into the container (without it
+  # the signal kills the shell around runc and leaves the container running).
+  if [ "$OCI" = 1 ]; then
+    local runc="runc --root=$RUN/runc"
+    {
+      echo "# Written by hpcelastic scripts/testbed.sh: Slurm's OCI support with runc (TESTBED_OCI=1)."
+      echo "RunTimeQuery=\"$runc state %n.%u.%j.%s.%t\""
+      echo "RunTimeKill=\"$runc kill -a %n.%u.%j.%s.%t\""
+      echo "RunTimeDelete=\"$runc delete --force %n.%u.%j.%s.%t\""
+      echo "RunTimeRun=\"exec $runc run %n.%u.%j.%s.%t -b %b\""
+    } >"$CONF_DIR/oci.conf"
+  else
+    rm -f "$CONF_DIR/oci.conf"
+  fi
 }
 
-start_munge() {
-  # One munged serves every instance (same key); it is never stopped by `down`.
-  if [ -S /run/munge/munge.socket.2 ] && munge -n </dev/null >/dev/null 2>&1; then
-    return 0
-  fi
+# munged with its directories and key (made on first use), as Debian's service starts it.
+MUNGED='
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
   chmod 0755 /run/munge
@@ -278,7 +536,16 @@ start_munge() {
     chown munge:munge /etc/munge/munge.key
     chmod 0400 /etc/munge/munge.key
   fi
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged'
+
+start_munge() { # [ROOT]: the host's munged, or a Slurm root's own (its /run, its key)
+  # One munged serves every instance of a Slurm (same key); it is never stopped by `down`.
+  local root=${1:-} in=()
+  if [ -n "$root" ]; then in=(chroot "$root"); fi
+  if [ -S "$root/run/munge/munge.socket.2" ] && "${in[@]}" munge -n </dev/null >/dev/null 2>&1; then
+    return 0
+  fi
+  "${in[@]}" sh -c "$MUNGED"
 }
 
 wait_for() {
@@ -376,7 +643,8 @@ node_job_pids() { # NODE
   for p in $(pgrep -x slurmstepd || true); do
     for f in "/proc/$p/fd/"*; do
       f=$(readlink "$f" 2>/dev/null) || continue
-      if [ -n "$logf" ] && [ "$f" = "$logf" ]; then seed[$p]=1; break; fi
+      # (a chrooted slurmstepd's log file reads, from here, as the root's path + the path)
+      if [ -n "$logf" ] && { [ "$f" = "$logf" ] || [ "$f" = "$ROOT$logf" ]; }; then seed[$p]=1; break; fi
       if [[ "$f" == socket:\[*\] ]] && [[ "$inodes" == *" ${f//[!0-9]/} "* ]]; then seed[$p]=1; break; fi
     done
   done
@@ -814,14 +1082,26 @@ up() {
     NETNS=${TESTBED_NETNS:-0}
     NET_INDEX=$INDEX
     set_net
+    SLURM_RELEASE=${TESTBED_SLURM:-host}
+    set_release
     mkdir -p "$STATE"
     echo "$NETNS $NET_INDEX" >"$NETNS_FILE"
+    echo "$SLURM_RELEASE" >"$SLURM_FILE"
+    if [ -z "$ROOT" ]; then rm -rf "$WRAPPERS"; fi # the host's commands: no wrappers left on PATH
+    install_packages
     write_config
   fi
   if [ "$NETNS" = 1 ]; then net_up; fi
   write_hosts
   make_fake_gpus
-  start_munge
+  if [ -n "$ROOT" ]; then
+    build_root
+    root_mounts
+    make_wrappers
+    start_munge "$ROOT"
+  else
+    start_munge
+  fi
   mkdir -p "$STATE/ctld" "$RUN"
   for node in $(node_names); do mkdir -p "$STATE/spool/$node"; done
   if [ "$running" = 0 ]; then
@@ -861,6 +1141,11 @@ down() {
     stop_pids "slurmctld" "$p" $kids || true
   fi
   if [ "$NETNS" = 1 ]; then net_down; fi
+  if [ -n "$ROOT" ]; then # the instance's own mounts in the root (the shared ones stay)
+    for p in "$ROOT$LOGS" "$ROOT$STATE"; do
+      if mountpoint -q "$p"; then umount -l "$p" && rmdir "$p" 2>/dev/null || true; fi
+    done
+  fi
   for node in $(node_names); do # the cgroups task/cgroup made (leaf first)
     find /sys/fs/cgroup/*/"slurm_$node" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
@@ -870,6 +1155,7 @@ down() {
 status() {
   local node p
   echo "instance $NAME: SLURM_CONF=$CONF"
+  if [ -n "$ROOT" ]; then echo "slurm: $SLURM_RELEASE from $ROOT (commands: $WRAPPERS)"; fi
   if [ "$NETNS" = 1 ]; then
     echo "network: a namespace per node (hpce-$NAME-NODE), $NET.0/24 on bridge $BRIDGE, slurmctld at $CTLD_ADDR"
   fi
@@ -926,7 +1212,21 @@ case "${1:-}" in
   down) down ;;
   restart) down; up ;;
   status) status ;;
-  env) echo "export SLURM_CONF=$CONF" ;;
+  env)
+    echo "export SLURM_CONF=$CONF"
+    if [ -n "$ROOT" ]; then
+      echo "export PATH=\"$WRAPPERS:\$PATH\""
+    else # the host's commands: drop another instance's wrappers from the caller's PATH
+      echo "export PATH=\$(printf %s \"\$PATH\" | tr : '\\n' | grep -vE '/hpcelastic-testbed-[a-z0-9]+/bin\$' | paste -sd: -)"
+    fi
+    ;;
+  image) build_image ;;
+  install-root) # the Debian root of TESTBED_SLURM (24.11), for CI's setup; nothing else
+    SLURM_RELEASE=${TESTBED_SLURM:-24.11}
+    set_release
+    [ -n "$ROOT" ] || { log "install-root: TESTBED_SLURM=$SLURM_RELEASE runs on the host's Slurm"; exit 2; }
+    build_root
+    ;;
   kill-node) kill_node "${2:?usage: $0 kill-node NODE}" ;;
   revive-node) revive_node "${2:?usage: $0 revive-node NODE}" ;;
   pids) valid_node "${2:?usage: $0 pids NODE}"; node_pids "$2" ;;

@@ -154,6 +154,9 @@ def leaked_gres_everywhere(
     found = {}
     for conf in testbed_confs(names):
         env = dict(os.environ, SLURM_CONF=str(conf))
+        wrappers = conf.parent.parent / "bin"  # an instance of another Slurm release (scripts/testbed.sh)
+        if wrappers.is_dir():
+            env["PATH"] = f"{wrappers}:{env.get('PATH', '')}"
         if subprocess.run(["scontrol", "ping"], capture_output=True, env=env, timeout=30).returncode != 0:
             continue  # instance not running
         leaks = wait_no_leaked_gres(env, timeout, known.get(str(conf), ()))

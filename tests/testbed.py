@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "testbed.sh"
 IN_USE: set[str] = set()
 """Instances this process holds through :func:`own_instance` now (a parallel run's workers hold others)."""
+#: The Slurm command wrappers of an instance of another release (scripts/testbed.sh ``TESTBED_SLURM``).
+WRAPPERS = re.compile(r"/hpcelastic-testbed-[a-z0-9]+/bin$")
 
 
 @dataclass
@@ -52,16 +54,35 @@ class Testbed:
             raise RuntimeError(f"testbed.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
 
+    def exports(self) -> dict[str, str]:
+        """``testbed.sh env``: ``SLURM_CONF``, and for a Slurm of its own root (``slurm="24.11"``) the
+        directory of its command wrappers, which goes first on ``PATH``."""
+        found = {}
+        for line in self.run("env").stdout.splitlines():
+            m = re.fullmatch(r'export (\w+)="?(.*?)(?::\$PATH)?"?', line.strip())
+            if m and "$(" not in m.group(2):  # not the shell code that cleans PATH (env() does it)
+                found[m.group(1)] = m.group(2)
+        return found
+
     @property
     def slurm_conf(self) -> str:
-        out = self.run("env").stdout.strip()
-        return out.split("=", 1)[1]
+        return self.exports()["SLURM_CONF"]
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with Slurm's commands (sbatch, squeue,
+        scontrol, ...) talking to this instance: its ``SLURM_CONF``, and its release's commands first
+        on ``PATH`` (the host's 22.05 clients cannot talk to a 24.11 slurmctld)."""
+        env = dict(os.environ if base is None else base)
+        exports = self.exports()
+        env["SLURM_CONF"] = exports["SLURM_CONF"]
+        # Another instance's wrappers would run another release's commands.
+        path = [p for p in env.get("PATH", "").split(":") if not WRAPPERS.search(p)]
+        env["PATH"] = ":".join([exports["PATH"], *path] if "PATH" in exports else path)
+        return env
 
     def slurm_env(self) -> dict[str, str]:
         """An environment whose Slurm commands (sbatch, squeue, scontrol) talk to this instance."""
-        env = dict(os.environ)
-        env["SLURM_CONF"] = self.slurm_conf
-        return env
+        return self.env()
 
     def slurm(self, *argv: str, check: bool = True, timeout: float = 60) -> str:
         """Run a Slurm command against this instance; its stdout."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import selectors
+import shutil
 import signal
 import socket
 import tempfile
@@ -31,7 +32,7 @@ from hpcelastic.agent.workers import WorkerConfig, WorkerGroup, start_forkserver
 from hpcelastic.env import slurm
 from hpcelastic.env.base import Environment, NodeContext, Rendezvous
 from hpcelastic.errors import EXIT_CANCELLED, UserError
-from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.lifecycle.attempt_end import Deferred, defer, end_attempt
 from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
@@ -321,6 +322,13 @@ def end_of_attempt(
     reason's code, and with the coordinator gone ``hpcelastic finalize`` decides after the step.
     """
     if not decides:
+        return reason.exit_code
+    if reason is not Reason.SUCCEEDED and slurm.job_id(environ) and shutil.which("scontrol") is None:
+        # In a container without Slurm's commands: finalize decides after the step, on the host.
+        defer(run_dir, attempt, Deferred(reason, bad_nodes, unreachable, progressed))
+        say(
+            0, f"{reason}: no scontrol in this container; hpcelastic finalize ends the attempt after the step"
+        )
         return reason.exit_code
     outcome = end_attempt(
         run_dir,

@@ -26,7 +26,7 @@ from hpcelastic.agent.hangwatch import HangWatch
 from hpcelastic.agent.progress import StepReporter
 from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, NodeRuntime
-from hpcelastic.agent.stop_step import StepRate, stop_file_text
+from hpcelastic.agent.stop_step import StepRate, stop_file_text, stop_grace
 from hpcelastic.agent.workers import Worker, parse_heartbeat
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.events import Event
@@ -65,6 +65,9 @@ class NodeLoop:
         self.round: messages.Round | None = None
         self.reported_round = -1
         self.preempting = False
+        #: After a stop signal (preemption, time limit): the monotonic time by which this node's workers
+        #: must have stopped, the grace period cut short by the job's time left (``stop_step.stop_grace``);
+        #: until then the workers may finish a step and save a checkpoint. None when no stop is under way.
         self.stop_deadline: float | None = None
         self.exit_code: int | None = None
         self.steps = StepReporter()
@@ -379,10 +382,11 @@ class NodeLoop:
 
     def _begin_preempt(self, signame: str, *, local: bool) -> None:
         rt = self.rt
+        grace = stop_grace(rt.spec.grace_period, slurm_env.time_left(rt.environ, time.time()))
         if not self.preempting:
             self.preempting = True
             self.uncaught = {w.rank for w in rt.group.signal_catching(rt.spec.stop_signal)}
-            rt.say(f"{signame}: asked the workers to stop (grace {rt.spec.grace_period:g} s)")
+            rt.say(f"{signame}: asked the workers to stop (grace {grace:.0f} s)")
             if self.uncaught:
                 ranks = ", ".join(map(str, sorted(self.uncaught)))
                 rt.say(f"rank(s) {ranks} have no {signame} handler: stopped when not saving a checkpoint")
@@ -391,7 +395,7 @@ class NodeLoop:
         self._report_steps()
         if self.state in (State.RUNNING, State.RESTARTING) and self.stop_deadline is None:
             self.state = State.STOPPING
-            self.stop_deadline = time.monotonic() + rt.spec.grace_period
+            self.stop_deadline = time.monotonic() + grace
             if not rt.group.running():
                 self._finish_preempt_stop()
 

@@ -6,6 +6,9 @@ fixes :func:`stop_step` from all reports and sends it to every agent, which writ
 attempt's stop file; ``hpcelastic.worker.should_stop()`` turns true on every rank once that rank's
 own step reaches it. The margin covers the steps made while the reports and the answer travel:
 one step plus :data:`STOP_SLACK_S` seconds of the fastest node's rate.
+
+:func:`stop_grace` is how long a node's workers get after the signal: the one place that computes the
+time left to a stop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ REPORT_TIMEOUT_S = 2.0
 #: How many of the latest steps the rate is measured over (not the round: its checkpoint pauses would
 #: slow it down, and a stop step fixed too early is one some rank has already passed).
 RATE_WINDOW = 16
+#: What the attempt needs after its workers stopped and before Slurm's hard stop: the decision (about
+#: 20 ms, bench/RESULTS.md), ``scontrol requeue`` and srun's teardown, with room to spare.
+END_MARGIN_S = 10.0
 
 
 class StepRate:
@@ -74,3 +80,14 @@ def stop_step(reports: Iterable[tuple[int | None, float]], slack_s: float = STOP
 def stop_file_text(step: int | None) -> str:
     """The stop file's content: the stop step, or empty (stop now)."""
     return "" if step is None else f"{step}\n"
+
+
+def stop_grace(grace_period: float, time_left: float | None) -> float:
+    """Seconds this node's workers get to stop after a stop signal: the grace period, cut short so that
+    the attempt still ends (decides, requeues) before Slurm's hard stop ``time_left`` seconds away (from
+    ``SLURM_JOB_END_TIME``, 23.02 and later; None where unknown: 22.05, or a preemption, whose
+    GraceTime the job's environment does not carry). A stop closer than :data:`END_MARGIN_S` stops the
+    workers at once."""
+    if time_left is None:
+        return grace_period
+    return max(0.0, min(grace_period, time_left - END_MARGIN_S))

@@ -39,6 +39,7 @@ from hpcelastic.env.base import (
     visible_gpus,
 )
 from hpcelastic.errors import UserError
+from hpcelastic.jobs.container import CONTAINER_ENV
 from hpcelastic.parse import ASCII_INT
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -66,6 +67,8 @@ class SlurmFacts:
     job_gpus: str | None = None
     #: Slurm 25.11: the job's id unique across the cluster's job id reuse (metrics label runs with it).
     sluid: str | None = None
+    #: When the job's time limit ends, epoch seconds (Slurm 23.02 and later; a year ahead when UNLIMITED).
+    job_end_time: int | None = None
 
 
 # Each fact and the variable(s) Slurm sets it in, the first set one wins (as submitit's JobEnvironment).
@@ -85,6 +88,7 @@ VARIABLES: dict[str, tuple[str, ...]] = {
     "step_gpus": ("SLURM_STEP_GPUS",),
     "job_gpus": ("SLURM_JOB_GPUS",),
     "sluid": ("SLURM_JOB_SLUID",),
+    "job_end_time": ("SLURM_JOB_END_TIME",),
 }
 _INTS = frozenset(name for name, hint in get_type_hints(SlurmFacts).items() if int in get_args(hint))
 
@@ -149,6 +153,15 @@ def task_rank(environ: Mapping[str, str]) -> int:
     return int(value) if value.isascii() and value.isdigit() else 0
 
 
+def time_left(environ: Mapping[str, str], now: float) -> float | None:
+    """Seconds from ``now`` (epoch) to the end of the job's time limit (``SLURM_JOB_END_TIME``); None
+    outside Slurm, before 23.02, or when the value is not a number. The variable is fixed when the job
+    starts: a preemption's GraceTime, or a time limit changed later, is not in it."""
+    found = variable(environ, "job_end_time")
+    value = found[1].strip() if found else ""
+    return float(value) - now if ASCII_INT.fullmatch(value) else None
+
+
 def gpu_ids(ids: str | None) -> tuple[str, ...]:
     """``"0,2"`` -> ("0", "2"): a Slurm GPU index list (``SLURM_STEP_GPUS``/``SLURM_JOB_GPUS``)."""
     return tuple(x.strip() for x in (ids or "").split(",") if x.strip())
@@ -193,6 +206,12 @@ class SlurmEnvironment(Environment):
         if len(hosts) != num_nodes:
             raise UserError(f"SLURM_STEP_NUM_NODES={num_nodes} disagrees with the node list {nodelist!r}")
         if facts.node_id is None:
+            if self.environ.get(CONTAINER_ENV) == "oci":
+                raise UserError(
+                    "SLURM_NODEID is not set in the container: this Slurm's OCI mode (srun --container) does "
+                    "not pass the per-task variables (22.05 does not, 24.11 does); use container.runtime "
+                    "podman, apptainer or pyxis"
+                )
             raise UserError("environment variable SLURM_NODEID is not set; is the agent running under slurm?")
         if not 0 <= facts.node_id < num_nodes:
             raise UserError(f"SLURM_NODEID={facts.node_id} is outside the step's {num_nodes} nodes")

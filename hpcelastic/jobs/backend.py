@@ -81,6 +81,7 @@ def _meta(request: JobRequest, backend: str) -> dict:
         "requeue_mode": spec.requeue_mode,
         "max_requeues": spec.max_requeues,
         "signal_lead_s": spec.signal_lead_s,
+        "requeue_expedite": spec.expedite,
         "sbatch_args": list(request.sbatch_args),
         "sbatch_command": list(request.sbatch_command) if backend == "sbatch" else None,
         "agent_argv": list(request.agent_argv),
@@ -99,6 +100,14 @@ def submit_request(
     import yaml
 
     spec = request.spec
+    if spec.container is not None:
+        from hpcelastic.jobs import container
+        from hpcelastic.jobs.render import container_mounts
+
+        container.check_release(spec.container, slurm.release())
+        workdir = spec.container.workdir or spec.cwd
+        bundle = container.bundle_files(spec.container, container_mounts(spec), workdir)
+        extra_files = {**bundle, **(extra_files or {})}
     target = Path(spec.run_dir)
     created_root = _first_missing(target)
     run = RunDir.create(target)
@@ -108,6 +117,7 @@ def submit_request(
         write_atomic(run.config_path, yaml.safe_dump(dict(spec.config), sort_keys=True).encode())
         run.create_secret()
         for name, data in (extra_files or {}).items():
+            (run.path / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_atomic(run.path / name, data)
         if Path(spec.checkpoint_dir).is_relative_to(run.path):
             Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True, mode=0o700)

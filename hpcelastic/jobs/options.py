@@ -99,6 +99,17 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     SubmitOption(SIGNAL, _signal_help()),
     SubmitOption("env", "KEY=VALUE for the job (repeatable).", multiple=True),
     SubmitOption("sbatch_args", "Passed to sbatch.", multiple=True),
+    SubmitOption(
+        "container_image",
+        "Run in this image (the site's container runtime).",
+        key="container.image",
+    ),
+    SubmitOption(
+        "container_runtime",
+        "Container runtime [site's, else none].",
+        key="container.runtime",
+        choices=sites.SCHEMA["container.runtime"].choices,
+    ),
     _from_schema("template"),
     _from_schema("backend"),
     SubmitOption("dry_run", "Print the script; submit nothing.", is_flag=True, cli_only=True),

@@ -20,6 +20,7 @@ from pathlib import Path
 from hpcelastic import __version__
 from hpcelastic.agent.spec import DEFAULT_CONSOLE, AgentCommand
 from hpcelastic.errors import UserError
+from hpcelastic.jobs import container as containers
 from hpcelastic.jobs.spec import JobSpec
 from hpcelastic.parse import is_env_name
 from hpcelastic.resources import data_dir
@@ -106,7 +107,7 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
             out.append(_option(name, value))
     out += [
         # In resubmit mode hpcelastic chains a new job itself; Slurm must not requeue this one too.
-        _option("requeue" if spec.requeue_mode == "requeue" else "no-requeue"),
+        _requeue_option(spec),
         # Slurm keeps the allocation when a node dies (the batch host's node excepted) instead of
         # killing and requeueing the whole job: the survivors go on in the same allocation.
         _option("no-kill"),
@@ -118,6 +119,14 @@ def directives_for(spec: JobSpec) -> tuple[str, ...]:
     # Site directives are written by the admin as options; each is one shell-free line.
     out += list(spec.sbatch_directives_site)
     return tuple(out)
+
+
+def _requeue_option(spec: JobSpec) -> str:
+    """``--requeue`` (``=expedite`` where Slurm offers it: top priority, no credential wait, the job's
+    healthy nodes held for it after a node failure), or ``--no-requeue`` in resubmit mode."""
+    if spec.requeue_mode != "requeue":
+        return _option("no-requeue")
+    return _option("requeue", "expedite") if spec.expedite else _option("requeue")
 
 
 def agent_command(spec: JobSpec) -> AgentCommand:
@@ -149,8 +158,37 @@ def agent_command(spec: JobSpec) -> AgentCommand:
 
 
 def agent_argv(spec: JobSpec) -> tuple[str, ...]:
-    """``PYTHON -m hpcelastic agent ...`` exactly as docs/ARCHITECTURE.md ("Agent command line") states."""
-    return agent_command(spec).to_argv(spec.python)
+    """``PYTHON -m hpcelastic agent ...`` exactly as docs/ARCHITECTURE.md ("Agent command line") states;
+    in a container, PYTHON is the image's (``container.python``)."""
+    return agent_command(spec).to_argv(spec.container.python if spec.container else spec.python)
+
+
+def container_mounts(spec: JobSpec) -> tuple[str, ...]:
+    """Every mount of the job's container (:func:`hpcelastic.jobs.container.job_mounts`); none without one."""
+    c = spec.container
+    if c is None:
+        return ()
+    script = None if spec.module else spec.script
+    return containers.job_mounts(spec.run_dir, spec.checkpoint_dir, script, spec.cwd, c.mounts)
+
+
+def step_words(
+    spec: JobSpec, argv: Sequence[str], env_names: Sequence[str]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The job step: ``(srun's options after SRUN_PREFIX, the command srun runs)``; the agent itself, or
+    the agent inside the site's container (:func:`hpcelastic.jobs.container.wrap`)."""
+    c = spec.container
+    if c is None:
+        return (), tuple(argv)
+    return containers.wrap(
+        c,
+        argv,
+        mounts=container_mounts(spec),
+        workdir=spec.cwd,
+        env_names=env_names,
+        gpus=bool(spec.gpus_per_node),
+        bundle=str(Path(spec.run_dir) / containers.OCI_BUNDLE_DIR),
+    )
 
 
 def trapped_signals(spec: JobSpec) -> tuple[str, ...]:
@@ -162,13 +200,15 @@ def _join(words: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def agent_line(argv: Sequence[str]) -> str:
-    """The srun + agent command as shell text, broken into lines like the documented form."""
+def agent_line(argv: Sequence[str], srun_options: Sequence[str] = (), wrapper: Sequence[str] = ()) -> str:
+    """The srun + agent command as shell text, broken into lines like the documented form; a container's
+    srun options follow srun's, its runtime's command goes on a line of its own before the agent."""
     agent = list(argv)
     cut1 = agent.index("--max-restarts")
     cut2 = agent.index("--signal")
     groups = [agent[:cut1], agent[cut1:cut2], agent[cut2:]]
-    return " \\\n  ".join([" ".join(SRUN_PREFIX), *(_join(g) for g in groups)])
+    first = " ".join(SRUN_PREFIX) + (" " + _join(srun_options) if srun_options else "")
+    return " \\\n  ".join([first, *([_join(wrapper)] if wrapper else []), *(_join(g) for g in groups)])
 
 
 def _environment(template: str):  # -> jinja2.Environment, imported lazily
@@ -203,10 +243,14 @@ def render(spec: JobSpec) -> JobRequest:
     argv = agent_argv(spec)
     finalize = (spec.python, "-m", "hpcelastic", "finalize", "--run-dir", spec.run_dir)
     env = (("HPCELASTIC_RUN_DIR", spec.run_dir), *spec.env)
+    if spec.container is not None:
+        env = (*env, (containers.CONTAINER_ENV, spec.container.runtime))
     for key, _ in env:
         if not is_env_name(key):
             raise UserError(f"environment variable name {key!r} is not a valid name (letters, digits, _)")
     directives = directives_for(spec)
+    srun_options, command = step_words(spec, argv, [k for k, _ in env])
+    wrapper = command[: len(command) - len(argv)]
     jinja_env, name = _environment(spec.template)
     import jinja2
 
@@ -220,7 +264,7 @@ def render(spec: JobSpec) -> JobRequest:
             setup=spec.setup,
             env=env,
             trapped_signals=list(trapped_signals(spec)),
-            agent_line=agent_line(argv),
+            agent_line=agent_line(argv, srun_options, wrapper),
             finalize_line=_join(finalize) + ' --exit-code "$rc"',
             spec=spec,
         )

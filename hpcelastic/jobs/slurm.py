@@ -1,8 +1,10 @@
-"""Thin, typed wrappers over Slurm's commands (sbatch, scontrol, squeue, scancel).
+"""Thin, typed wrappers over Slurm's commands (sbatch, scontrol, squeue, scancel, sinfo): the one place
+that runs them.
 
 Each wrapper runs the real command, turns a failure into a :class:`SlurmError`
 carrying Slurm's own message, and marks errors that are worth retrying
-(slurmctld unreachable, socket time-outs) as ``transient``.
+(slurmctld unreachable, socket time-outs) as ``transient``. Their output is parsed by
+:mod:`hpcelastic.jobs.slurm_output`, which knows the formats of every release from 22.05 to 25.11.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcelastic.errors import SlurmError
+from hpcelastic.jobs import slurm_output
 
 DEFAULT_TIMEOUT_S = 60.0
+#: One ``scontrol show -o`` line as a dict (the parser lives in :mod:`~hpcelastic.jobs.slurm_output`).
+parse_scontrol_record = slurm_output.parse_record
 
 _TRANSIENT_PATTERNS = (
     "unable to contact slurm controller",
@@ -87,7 +92,8 @@ def run_slurm(
         proc.communicate()
         raise SlurmError(f"'{argv[0]}' did not answer within {timeout:.0f} s", transient=True) from None
     if proc.returncode != 0:
-        msg = (stderr or stdout).strip().splitlines()
+        # The last line that says something (not getopt's 'Try "scontrol --help" ...' hint).
+        msg = [line for line in (stderr or stdout).strip().splitlines() if not line.startswith("Try ")]
         text = msg[-1] if msg else f"exit code {proc.returncode}"
         text = re.sub(r"^(sbatch|scontrol|squeue|scancel|srun): error: ", "", text)
         transient = any(p in text.lower() for p in _TRANSIENT_PATTERNS)
@@ -115,39 +121,43 @@ def jobs_running_script(script: str | os.PathLike[str]) -> list[str]:
     """Ids of the jobs Slurm knows (pending or running) whose batch script is the file ``script``."""
     out = run_slurm(["squeue", "-h", "-o", "%i|%o"])
     wanted = str(script)
-    rows = (line.partition("|") for line in out.splitlines())
-    return [jid for jid, _, command in rows if command == wanted]
+    return [jid for jid, command in slurm_output.parse_rows(out, 2) if command == wanted]
 
 
-def parse_scontrol_record(line: str) -> dict[str, str]:
-    """Parse one ``scontrol show -o`` line (``Key=Value Key=Value ...``) into a dict.
-
-    Values may contain spaces (``Command=``, ``Reason=``); a key starts only where a
-    space is followed by ``Name=``.
-    """
-    fields: dict[str, str] = {}
-    for m in re.finditer(
-        r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s[A-Za-z][A-Za-z0-9_:/]*=|$)", line.strip()
-    ):
-        fields[m.group(1)] = m.group(2)
-    return fields
+#: Whether an scontrol (by its path) has ``--json`` (24.11 does, 22.05 not); learnt from its first call.
+_scontrol_json: dict[str | None, bool] = {}
 
 
 def show_job(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o <id>`` as a dict (the first record, for arrays the task itself)."""
-    out = run_slurm(["scontrol", "show", "job", "-o", str(job_id)])
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    if not lines:
+    """``scontrol show job <id>`` as a dict with the text record's keys (the first record, for arrays the
+    task itself): from ``scontrol --json`` where the release has it, else from ``-o`` (see
+    :mod:`~hpcelastic.jobs.slurm_output`)."""
+    records: list[dict[str, str]] = []
+    scontrol = shutil.which("scontrol")
+    if _scontrol_json.get(scontrol, True):
+        try:
+            out = run_slurm(["scontrol", "--json", "show", "job", str(job_id)])
+            records = slurm_output.job_records_from_json(out)
+            _scontrol_json[scontrol] = True
+        except SlurmError as e:
+            if "unrecognized option" not in str(e) and "invalid option" not in str(e):
+                raise
+            _scontrol_json[scontrol] = False
+        except ValueError:
+            records = []  # JSON this parser does not know: the text output says the same
+    if not records:
+        records = slurm_output.parse_records(run_slurm(["scontrol", "show", "job", "-o", str(job_id)]))
+    if not records:
         raise SlurmError(f"scontrol knows no job {job_id}")
-    return parse_scontrol_record(lines[0])
+    return records[0]
 
 
 def parse_time(value: str | None) -> float | None:
     """A Slurm time stamp (``2026-01-02T03:04:05``, local time) as epoch seconds; None when unset."""
-    if not value or value in ("Unknown", "None", "(null)"):
+    if not value or value in slurm_output.UNSET_TIMES:
         return None
     try:
-        return datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%S").timestamp()
+        return datetime.datetime.strptime(value, slurm_output.TIME_FORMAT).timestamp()
     except ValueError:
         return None
 
@@ -166,6 +176,13 @@ class JobInfo:
     time_limit_s: int | None = None
     #: Slurm's Reason field (``None``, ``NodeDown``, ...).
     reason: str = ""
+    #: ``ExitCode`` as (status, signal); a node failure is ``0:0`` up to 23.11, ``0:1`` from 24.11.
+    exit_code: tuple[int, int] | None = None
+    #: When a pending job may start (a requeued one: cred_expire + 1 s after it stopped).
+    eligible_time: float | None = None
+    #: Whether Slurm may requeue the job (``Requeue=1``); None when not shown.
+    requeue: bool | None = None
+    partition: str = ""
 
 
 def parse_limit(value: str | None) -> int | None:
@@ -195,6 +212,10 @@ def job_info_from(rec: Mapping[str, str]) -> JobInfo:
         start_time=parse_time(rec.get("StartTime")),
         time_limit_s=parse_limit(rec.get("TimeLimit")),
         reason=rec.get("Reason", ""),
+        exit_code=slurm_output.parse_exit_code(rec.get("ExitCode")),
+        eligible_time=parse_time(rec.get("EligibleTime")),
+        requeue={"1": True, "0": False}.get(rec.get("Requeue", "")),
+        partition=rec.get("Partition", "").split(",")[0],
     )
 
 
@@ -204,11 +225,15 @@ def dependent_job(job_id: str) -> str | None:
         out = run_slurm(["squeue", "--me", "-h", "-t", "PENDING", "-o", "%i|%E"], timeout=15)
     except SlurmError:
         return None
-    for line in out.splitlines():
-        jid, _, deps = line.partition("|")
+    for jid, deps in slurm_output.parse_rows(out, 2):
         if re.search(rf"afterany:{re.escape(job_id)}(\(|,|$)", deps):
             return jid.strip()
     return None
+
+
+def set_requeue(job_id: str, requeue: bool) -> None:
+    """``scontrol update JobId=<id> Requeue=0|1``: whether Slurm may requeue the job."""
+    run_slurm(["scontrol", "update", f"JobId={job_id}", f"Requeue={int(requeue)}"])
 
 
 def requeue(job_id: str) -> None:
@@ -218,11 +243,10 @@ def requeue(job_id: str) -> None:
 
 def show_node(node: str) -> dict[str, str]:
     """``scontrol show node -o <node>`` as a dict."""
-    out = run_slurm(["scontrol", "show", "node", "-o", node])
-    lines = [ln for ln in out.splitlines() if ln.strip()]
-    if not lines:
+    records = slurm_output.parse_records(run_slurm(["scontrol", "show", "node", "-o", node]))
+    if not records:
         raise SlurmError(f"scontrol knows no node {node}")
-    return parse_scontrol_record(lines[0])
+    return records[0]
 
 
 def slurmd_answers(node: str, timeout: float = 2.0) -> bool:
@@ -247,17 +271,59 @@ def node_is_down(node: str) -> bool:
 def partition_node_states(partition: str) -> dict[str, str]:
     """Each node of ``partition`` and its short state as ``sinfo`` prints it (``idle``, ``down*``)."""
     out = run_slurm(["sinfo", "-h", "-N", "-p", partition, "-o", "%N|%t"])
-    rows = (line.partition("|") for line in out.splitlines())
-    return {name: state for name, _, state in rows if name}
+    return {name: state for name, state in slurm_output.parse_rows(out, 2) if name}
 
 
 def config_value(key: str) -> str | None:
     """One value of ``scontrol show config`` (``SlurmdTimeout`` -> ``60 sec``), None when absent."""
-    for line in run_slurm(["scontrol", "show", "config"]).splitlines():
-        name, sep, value = line.partition("=")
-        if sep and name.strip() == key:
-            return value.strip()
-    return None
+    return slurm_output.config_values(run_slurm(["scontrol", "show", "config"]), [key]).get(key)
+
+
+def preempt_mode(partition: str) -> str:
+    """The PreemptMode of ``partition`` (``REQUEUE``, ``CANCEL``, ``OFF``...), the cluster's where the
+    partition sets none; empty when Slurm cannot say."""
+    try:
+        records = slurm_output.parse_records(run_slurm(["scontrol", "show", "partition", "-o", partition]))
+    except SlurmError:
+        return ""
+    return records[0].get("PreemptMode", "") if records else ""
+
+
+#: The first release with the expedited requeue (``sbatch --requeue=expedite``).
+EXPEDITE_RELEASE = (25, 11)
+
+
+def expedited_requeue() -> bool:
+    """Whether this cluster's Slurm requeues ``--requeue=expedite`` jobs expedited: 25.11 or later, with
+    ``enable_expedited_requeue`` in SlurmctldParameters (or SchedulerParameters, as some sites set it)."""
+    found = release()
+    if found is None or found < EXPEDITE_RELEASE:
+        return False
+    try:
+        text = run_slurm(["scontrol", "show", "config"])
+    except SlurmError:
+        return False
+    params = slurm_output.config_values(text, ["SlurmctldParameters", "SchedulerParameters"])
+    return any("enable_expedited_requeue" in v for v in params.values())
+
+
+def release() -> tuple[int, int] | None:
+    """The Slurm release of this host's commands as ``(year, month)`` (``sbatch --version``); None when
+    it cannot be told."""
+    try:
+        return slurm_output.parse_release(run_slurm(["sbatch", "--version"], timeout=15))
+    except SlurmError:
+        return None
+
+
+def requeue_hold_s() -> int:
+    """How long Slurm holds a job it requeued before it may start again: ``AuthInfo``'s cred_expire + 1 s
+    (the job's old credentials must expire first; default 121 s). Nothing inside the job can shorten it:
+    a BeginTime set while the job completes is reset when it has (22.05 and 24.11, measured)."""
+    try:
+        return slurm_output.cred_expire_s(config_value("AuthInfo")) + 1
+    except SlurmError:
+        return slurm_output.DEFAULT_CRED_EXPIRE_S + 1
 
 
 def exclude_nodes(job_id: str, nodes: Sequence[str], *, release: Sequence[str] = ()) -> None:
@@ -313,11 +379,7 @@ def query_states(job_ids: Sequence[str]) -> dict[str, JobState]:
         if "invalid job id" in str(e).lower():
             return {}
         raise
-    states: dict[str, JobState] = {}
-    for line in out.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4:
-            states[parts[0]] = JobState(*parts)
+    states = {row[0]: JobState(*row) for row in slurm_output.parse_rows(out, 4)}
     for jid in job_ids:
         tasks = [state for key, state in states.items() if key.startswith(f"{jid}_")]
         if jid not in states and len(tasks) == 1:

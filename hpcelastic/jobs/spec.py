@@ -11,11 +11,12 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
+from hpcelastic.jobs.container import Container, from_config
 from hpcelastic.jobs.options import DEFAULT_NODES
 from hpcelastic.parse import (
     AUTO,
@@ -85,11 +86,26 @@ class JobSpec:
     metrics_port: int | None = None  # the coordinator's OpenMetrics port (None: a free one)
     metrics_enabled: bool = True
     metrics_textfile_dir: str | None = None
+    container: Container | None = None  # the agent runs in this container (hpcelastic.jobs.container)
+    #: Submit with ``--requeue=expedite`` (Slurm 25.11+ that offers it: :func:`with_slurm_facts`).
+    expedite: bool = False
 
     @property
     def nodes_text(self) -> str:
         """``MIN:MAX`` as the agent takes it."""
         return f"{self.nodes_min}:{self.nodes_max}"
+
+
+def with_slurm_facts(spec: JobSpec) -> JobSpec:
+    """``spec`` with what the cluster's Slurm offers (asked here, at the edge; ``build_spec`` asks nothing):
+    the expedited requeue where the site wants it, in requeue mode, on the sbatch backend."""
+    if not spec.config.get("requeue", {}).get("expedite") or spec.requeue_mode != "requeue":
+        return spec
+    if spec.backend != "sbatch":
+        return spec
+    from hpcelastic.jobs import slurm
+
+    return replace(spec, expedite=slurm.expedited_requeue())
 
 
 def check_hostlist(text: str, what: str) -> None:
@@ -228,6 +244,9 @@ def build_spec(
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
     check_no_task_array(directives, f"site {config.site!r}: sbatch_directives entry")
     check_no_task_array(sbatch_args, "--sbatch-arg")
+    container = from_config(config.values, config.site)
+    if container is not None and v("backend") != "sbatch":
+        raise UserError(f"a container (container.runtime {container.runtime}) needs the sbatch backend")
     return JobSpec(
         script=script_path,
         script_args=tuple(script_args),
@@ -274,4 +293,5 @@ def build_spec(
         metrics_port=v("metrics.port"),
         metrics_enabled=v("metrics.enabled"),
         metrics_textfile_dir=v("metrics.textfile_dir"),
+        container=container,
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcelastic import events, handoff
 from hpcelastic.lifecycle.cancel import mark_cancelled
@@ -13,7 +15,7 @@ from hpcelastic.lifecycle.executor import Executor
 from hpcelastic.lifecycle.history import attempt_root_cause, root_cause_signature
 from hpcelastic.lifecycle.policy import AttemptEnd, Settings
 from hpcelastic.reasons import Reason
-from hpcelastic.rundir import RunDir
+from hpcelastic.rundir import RunDir, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,44 @@ def _slurm_reason(run_dir: RunDir, job_id: str, reason: Reason) -> tuple[Reason,
         run_dir.record(events.cancelled(job_id=job_id))
         return Reason.CANCELLED, False
     return (reason if stop is None or stop.reason is None else stop.reason), verdict.requeued
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """What the coordinator's agent knew of an attempt's end when it could not ask Slurm (a container
+    without Slurm's commands): ``hpcelastic finalize``, outside the container, ends the attempt with it."""
+
+    reason: Reason
+    bad_nodes: tuple[str, ...] = ()
+    unreachable: tuple[str, ...] = ()
+    progressed: bool = False
+
+
+def deferred_path(run_dir: RunDir, attempt: int) -> Path:
+    """Where the agent leaves :class:`Deferred` for ``finalize``."""
+    return run_dir.path / f"deferred-attempt-{attempt}.json"
+
+
+def defer(run_dir: RunDir, attempt: int, end: Deferred) -> None:
+    """Leave the end of ``attempt`` to ``finalize`` (written atomically)."""
+    record = {
+        "reason": end.reason.value,
+        "bad_nodes": list(end.bad_nodes),
+        "unreachable": list(end.unreachable),
+        "progressed": end.progressed,
+    }
+    write_json_atomic(deferred_path(run_dir, attempt), record)
+
+
+def deferred(run_dir: RunDir, attempt: int) -> Deferred | None:
+    """The end of ``attempt`` an agent left to ``finalize``, or None."""
+    try:
+        rec = json.loads(deferred_path(run_dir, attempt).read_text())
+        return Deferred(
+            reason=Reason(rec["reason"]),
+            bad_nodes=tuple(rec.get("bad_nodes") or ()),
+            unreachable=tuple(rec.get("unreachable") or ()),
+            progressed=bool(rec.get("progressed")),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -76,6 +76,26 @@ def slurm_ending(info: slurm.JobInfo, restart_count: int | None = None) -> Stop 
     return None
 
 
+#: The first release measured to requeue, itself, a job that ends within a preemption's grace time
+#: (PreemptMode=REQUEUE, ``--requeue``): 24.11 does, and requeues it again at its next end if hpcelastic
+#: requeued it too; 22.05 fails such a job instead (FAILED), so hpcelastic requeues it there.
+REQUEUES_WITHIN_GRACE = (24, 11)
+
+
+def requeued_at_end(info: slurm.JobInfo, release: tuple[int, int] | None, preempt_mode: str) -> bool:
+    """Slurm will requeue the job itself when it ends: it runs within a preemption's grace (PreemptTime
+    set), may be requeued, its partition's PreemptMode is REQUEUE, and the release does so
+    (:data:`REQUEUES_WITHIN_GRACE`; an unknown release is taken not to)."""
+    return (
+        info.state == "RUNNING"
+        and info.preempt_time is not None
+        and info.requeue is True
+        and "REQUEUE" in preempt_mode.upper()
+        and release is not None
+        and release >= REQUEUES_WITHIN_GRACE
+    )
+
+
 def classify_stop(
     info: slurm.JobInfo | None,
     now: float,
@@ -105,7 +125,8 @@ class SlurmVerdict:
     """What Slurm's record says about the end of an attempt."""
 
     stop: Stop | None
-    #: Slurm has queued the job again itself (:func:`requeued_by_slurm`): nobody may requeue or resubmit it.
+    #: Slurm has queued the job again itself (:func:`requeued_by_slurm`), or will when it ends
+    #: (:func:`requeued_at_end`): nobody may requeue or resubmit it.
     requeued: bool = False
 
 
@@ -129,6 +150,8 @@ def slurm_stop(
     if info is None:
         return SlurmVerdict(Stop.PREEMPTED if signalled else None)
     requeued = requeued_by_slurm(info, restart_count)
+    if not requeued and info.preempt_time is not None and info.state == "RUNNING":
+        requeued = requeued_at_end(info, slurm.release(), slurm.preempt_mode(info.partition))
     if signalled:
         stop = classify_stop(info, time.time(), signal_lead_s=signal_lead_s, restart_count=restart_count)
         return SlurmVerdict(stop, requeued)

@@ -148,6 +148,11 @@ class Executor:
         rd.record(events.requeue_skipped(reason=decision.skip, attempt=end.attempt, detail=decision.message))
         if decision.slurm_requeued and end.job_id:  # Slurm queued it again itself: it must not run again
             self._retrying(lambda: slurm.cancel(str(end.job_id)))
+        elif end.job_id and rd.read_meta().get("requeue_expedite"):
+            # An expedited-requeue job that exits non-zero is held (REQUEUE_HOLD) unless Slurm blamed a
+            # node: nothing may bring it back now (designed from Slurm 25.11's documentation; untested).
+            job_id = str(end.job_id)
+            self._retrying(lambda: slurm.set_requeue(job_id, False))
         rd.record(
             events.job_failed(exit_code=decision.exit_code, reason=decision.job_end, attempt=end.attempt)
         )
@@ -246,6 +251,7 @@ class Executor:
         assert decision.job_id is not None
         job_id, attempt, reason = decision.job_id, end.attempt, end.reason
         duration = round(time.monotonic() - t0, 4)
+        hold = slurm.requeue_hold_s()
         rd.record(
             events.requeued(
                 job_id=job_id,
@@ -255,10 +261,11 @@ class Executor:
                 duration_s=duration,
                 note=note,
                 by=by,
+                hold_s=hold,
             )
         )
         done = f"Slurm requeued job {job_id}" if by is Requeuer.SLURM else f"job {job_id} requeued"
-        msg = f"attempt {attempt} ended ({reason}); {done} as attempt {attempt + 1}"
+        msg = f"attempt {attempt} ended ({reason}); {done} as attempt {attempt + 1} (Slurm holds it {hold} s)"
         self.say(msg + _nodes_note(decision.exclude))
         code = decision.exit_code
         return Outcome(Result.REQUEUED, reason, code, attempt, attempt + 1, job_id, msg, duration)

@@ -10,7 +10,7 @@ from hpcelastic import events, handoff
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.errors import EXIT_OK, EXIT_USAGE
 from hpcelastic.events import EventLog
-from hpcelastic.lifecycle.attempt_end import end_attempt
+from hpcelastic.lifecycle.attempt_end import deferred, end_attempt
 from hpcelastic.lifecycle.executor import say as _say
 from hpcelastic.lifecycle.policy import DEFAULT_MAX_REQUEUES, DEFAULT_MODE
 from hpcelastic.reasons import Reason
@@ -96,6 +96,25 @@ def finalize(
     recorded = recorded_exit(rd.events(), attempt)
     if recorded is not None:
         return recorded
+    meta = rd.read_meta()
+    mode = requeue_mode or meta.get("requeue_mode") or DEFAULT_MODE
+    requeues = (
+        max_requeues if max_requeues is not None else int(meta.get("max_requeues", DEFAULT_MAX_REQUEUES))
+    )
+    left = deferred(rd, attempt)
+    if left is not None:  # the coordinator's agent ran where Slurm's commands are not (a container)
+        outcome = end_attempt(
+            rd,
+            attempt,
+            left.reason,
+            job_id=job_id,
+            bad_nodes=left.bad_nodes,
+            unreachable=left.unreachable,
+            progressed=left.progressed,
+            requeue_mode=mode,
+            max_requeues=requeues,
+        )
+        return outcome.exit_code
     reason = step_end_reason(
         srun_exit_code,
         stopped=stopped,
@@ -105,15 +124,5 @@ def finalize(
     )
     note = NOT_BEGUN if reason is Reason.STEP_FAILED else ""
     say(f"the job step ended with exit code {srun_exit_code} and no agent decided; {reason}{note}")
-    meta = rd.read_meta()
-    outcome = end_attempt(
-        rd,
-        attempt,
-        reason,
-        job_id=job_id,
-        requeue_mode=requeue_mode or meta.get("requeue_mode") or DEFAULT_MODE,
-        max_requeues=max_requeues
-        if max_requeues is not None
-        else int(meta.get("max_requeues", DEFAULT_MAX_REQUEUES)),
-    )
+    outcome = end_attempt(rd, attempt, reason, job_id=job_id, requeue_mode=mode, max_requeues=requeues)
     return outcome.exit_code

@@ -341,6 +341,39 @@ CASES: list[Case] = [
     Case("sites-show-unknown", ("sites", "show", "nope"), "unknown site 'nope'"),
     Case("sites-show-newline", ("sites", "show", "a\nb"), "unknown site 'a\\nb'"),
     Case("sites-validate-missing", ("sites", "validate", "missing.yaml"), "missing.yaml does not exist"),
+    Case(
+        "sites-validate-container-without-image",
+        ("sites", "validate", "container-runtime.yaml"),
+        "container.runtime podman needs container.image",
+        files={"container-runtime.yaml": "container:\n  runtime: podman\n"},
+    ),
+    Case(
+        "sites-validate-python-command",
+        ("sites", "validate", "python-command.yaml"),
+        "is a command, not an interpreter path",
+        files={"python-command.yaml": "python: apptainer exec --nv image.sif python3\n"},
+    ),
+    sub(
+        "--container-image",
+        "img.sif",
+        "train.py",
+        expect="container.image is set but no container.runtime",
+        id="submit-container-image-without-runtime",
+    ),  # fmt: skip
+    sub(
+        "--container-runtime",
+        "apptainer",
+        "train.py",
+        expect="container.runtime apptainer needs container.image",
+        id="submit-container-runtime-without-image",
+    ),  # fmt: skip
+    sub(
+        "--container-runtime",
+        "docker",
+        "train.py",
+        expect="'docker' is not one of",
+        id="submit-container-docker",
+    ),
     Case("sites-validate-directory", ("sites", "validate", "adir"), "'adir' is a directory"),
     Case("sites-validate-malformed", ("sites", "validate", "bad.yaml"), "invalid YAML"),
     Case("sites-validate-nul", ("sites", "validate", "nul.yaml"), "NCCL_DEBUG: the value contains a NUL"),

@@ -3,10 +3,18 @@ shaped like what ``scontrol show job`` showed on the Slurm 22.05 testbed at the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hpcelastic.jobs import slurm
-from hpcelastic.lifecycle.classify import Stop, classify_stop, requeued_by_slurm, slurm_ending
+from hpcelastic.lifecycle.classify import (
+    Stop,
+    classify_stop,
+    requeued_at_end,
+    requeued_by_slurm,
+    slurm_ending,
+)
 from hpcelastic.lifecycle.history import History
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, RequeueMode, Settings, decide
 from hpcelastic.reasons import Reason
@@ -117,3 +125,16 @@ def test_policy_brings_back_what_slurm_requeued_without_a_second_requeue(mode: R
     assert decision.action is Action.BRING_BACK and decision.slurm_requeued
     cancelled = decide(History(0, cancelled=True), end, Settings(mode, 0))
     assert cancelled.action is Action.SKIP and cancelled.slurm_requeued  # the executor scancels it
+
+
+def test_slurm_requeues_a_job_ending_within_a_preemption_grace_from_24_11() -> None:
+    """Measured on the testbed: 24.11 requeues, itself, a job that ends within its preemption's grace
+    (and runs it again after its next end if hpcelastic requeued it too); 22.05 fails it (FAILED)."""
+    graced = slurm.JobInfo("RUNNING", 0, 2e9, 1.9e9, None, requeue=True, partition="debug")
+    assert requeued_at_end(graced, (24, 11), "REQUEUE")
+    assert requeued_at_end(graced, (25, 11), "GANG,REQUEUE")
+    assert not requeued_at_end(graced, (22, 5), "REQUEUE")
+    assert not requeued_at_end(graced, None, "REQUEUE")
+    assert not requeued_at_end(graced, (24, 11), "CANCEL")
+    assert not requeued_at_end(replace(graced, requeue=False), (24, 11), "REQUEUE")
+    assert not requeued_at_end(replace(graced, preempt_time=None), (24, 11), "REQUEUE")

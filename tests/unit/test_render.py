@@ -237,3 +237,37 @@ def test_srun_gets_every_cpu_the_job_holds_on_a_node(
     assert text.index("\nagent_cpus=") < text.index(srun)
     environ = {"SLURM_CPUS_ON_NODE": on_node, "SLURM_JOB_CPUS_PER_NODE": per_node}
     assert _agent_cpus(text, {k: v for k, v in environ.items() if v is not None}) == cpus
+
+
+def test_expedited_requeue_where_slurm_offers_it(tmp_path: Path) -> None:
+    """Slurm 25.11's ``--requeue=expedite`` replaces ``--requeue`` when the cluster offers it
+    (``with_slurm_facts`` asks); resubmit mode stays ``--no-requeue``. Designed from Slurm's documentation:
+    there is no 25.11 here to run it."""
+    from dataclasses import replace
+
+    spec = make_spec(tmp_path)
+    assert "--requeue" in directives(render(spec).script_text)
+    assert "--requeue=expedite" in directives(render(replace(spec, expedite=True)).script_text)
+    resubmit = make_spec(tmp_path, overrides={"requeue.mode": "resubmit"})
+    assert "--no-requeue" in directives(render(resubmit).script_text)
+
+
+def test_expedite_is_asked_of_slurm_only_where_it_can_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpcelastic.jobs import slurm
+    from hpcelastic.jobs.spec import with_slurm_facts
+
+    config = "SlurmctldParameters     = enable_expedited_requeue,idle_on_node_suspend\nAuthInfo = x\n"
+    monkeypatch.setattr(slurm, "run_slurm", lambda argv, **kw: config)
+    for release, offered in (((25, 11), True), ((26, 5), True), ((24, 11), False), (None, False)):
+        monkeypatch.setattr(slurm, "release", lambda r=release: r)
+        assert slurm.expedited_requeue() is offered
+        assert with_slurm_facts(make_spec(tmp_path)).expedite is offered
+    monkeypatch.setattr(slurm, "release", lambda: (25, 11))
+    assert not with_slurm_facts(make_spec(tmp_path, overrides={"requeue.mode": "resubmit"})).expedite
+    site = tmp_path / "no-expedite.yaml"
+    site.write_text("requeue:\n  expedite: false\n")
+    assert not with_slurm_facts(make_spec(tmp_path, str(site))).expedite
+    monkeypatch.setattr(slurm, "run_slurm", lambda argv, **kw: "SlurmctldParameters = (null)\n")
+    assert not slurm.expedited_requeue()

@@ -60,6 +60,20 @@ def _case(tmp_path: Path) -> Path:
     return case
 
 
+def run_shimmed(case: Path, script: Path) -> None:
+    """Run the rendered ``script`` under bash with nothing on PATH but the case's shims; every other
+    command it tries is logged (and must not be), and it must succeed."""
+    run_env = {
+        "PATH": str(case / "bin"),
+        "SHIM_OUT": str(case / "out"),
+        "NOT_FOUND_LOG": str(case / "not-found"),
+        "BASH_FUNC_command_not_found_handle%%": NOT_FOUND,
+    }
+    proc = subprocess.run(["/bin/bash", str(script)], env=run_env, capture_output=True, text=True, timeout=30)
+    assert not (case / "not-found").exists(), (case / "not-found").read_text()
+    assert proc.returncode == 0, proc.stderr
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     env=st.dictionaries(anything, anything, max_size=3),
@@ -103,15 +117,7 @@ def test_no_user_value_runs_a_command(
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     before = sorted(p.name for p in case.iterdir())
-    run_env = {
-        "PATH": str(case / "bin"),
-        "SHIM_OUT": str(case / "out"),
-        "NOT_FOUND_LOG": str(case / "not-found"),
-        "BASH_FUNC_command_not_found_handle%%": NOT_FOUND,
-    }
-    proc = subprocess.run(["/bin/bash", str(script)], env=run_env, capture_output=True, text=True, timeout=30)
-    assert not (case / "not-found").exists(), (case / "not-found").read_text()
-    assert proc.returncode == 0, proc.stderr
+    run_shimmed(case, script)
     assert sorted(p.name for p in case.iterdir()) == sorted([*before, "out.python", "out.srun"])
     srun = json.loads((case / "out.srun").read_text())
     assert srun["argv"][srun["argv"].index("--") + 1 :] == [str(case / "train.py")]
@@ -135,3 +141,51 @@ def test_percent_in_the_run_dir_is_not_a_pattern(tmp_path: Path) -> None:
     )
     out = next(x for x in render(spec).directives if x.startswith("--output="))
     assert out == f"--output={case}/r%%j%%%%x/slurm-%j.out"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    runtime=st.sampled_from(sites.SCHEMA["container.runtime"].choices or ()),
+    image=anything.filter(bool),
+    workdir=anything,
+    python=anything,
+    args=st.lists(anything, max_size=3),
+    mounts=st.lists(anything, max_size=2),
+)
+@example(
+    runtime="podman", image="img; touch pwned", workdir="/w\n$(id)", python="/p`id`",
+    args=["--x=$(touch pwned)", "'"], mounts=["/a:/b"],
+)  # fmt: skip
+@example(runtime="pyxis", image="a,b --container-mounts=/:/", workdir="/w", python="/p", args=[], mounts=[])
+@example(runtime="apptainer", image="x.sif", workdir="", python="", args=["\n"], mounts=["/a:/b:ro"])
+def test_no_container_value_runs_a_command(
+    tmp_path: Path, runtime: str, image: str, workdir: str, python: str, args: list[str], mounts: list[str]
+) -> None:
+    """The container section's every field (issue 20) through the same bash run: the runtime's words reach
+    srun byte for byte (``--container-image=IMAGE`` on srun for pyxis, the image as one word for apptainer
+    and podman), or rendering refuses the value with one line."""
+    case = _case(tmp_path)
+    section = {"runtime": runtime, "image": image, "workdir": workdir, "python": python, "args": args}
+    section["mounts"] = mounts
+    site = case / "site.yaml"
+    host_python = json.dumps(str(case / "bin" / "python"))
+    site.write_text(f"python: {host_python}\ncontainer: {json.dumps(section, ensure_ascii=False)}\n")
+    try:
+        spec = build_spec(sites.resolve(str(site)), script=str(case / "train.py"), cwd=str(case))
+        text = render(spec).script_text
+    except UserError:
+        return
+    script = case / "job.sbatch"
+    script.write_text(text)
+    run_shimmed(case, script)
+    argv = json.loads((case / "out.srun").read_text())["argv"]
+    agent = argv.index("-m") - 1
+    assert argv[agent] == (python or "python3")
+    head = argv[:agent]
+    if runtime == "pyxis":
+        assert f"--container-image={image}" in head and f"--container-workdir={workdir or case}" in head
+    elif runtime == "oci":
+        assert any(w.startswith("--container=") for w in head)
+    else:
+        assert head[-1] == image and head[-1 - len(args) : -1] == args
+    assert argv[argv.index("--") + 1 :] == [str(case / "train.py")]

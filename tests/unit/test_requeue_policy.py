@@ -52,6 +52,10 @@ state = open(state_file).read() if os.path.exists(state_file) else "RUNNING"
 if mode == "unreachable":
     sys.stderr.write("scontrol: error: Unable to contact slurm controller (connect failure)\\n")
     sys.exit(1)
+if sys.argv[1] == "--json":  # as 22.05's scontrol says it
+    sys.stderr.write("scontrol: unrecognized option '--json'\\n")
+    sys.stderr.write("Try \\"scontrol --help\\" for more information\\n")
+    sys.exit(1)
 if sys.argv[1:3] == ["show", "job"]:
     end = os.environ.get("FAKE_END", "Unknown")
     preempt = os.environ.get("FAKE_PREEMPT", "None")
@@ -273,11 +277,11 @@ def test_bad_nodes_are_excluded_once_the_job_is_pending(
     monkeypatch.setenv("FAKE_SCONTROL", "ok")
     out = _conclude(rd, 0, "node_unhealthy", 7, ["node2"], "123")
     assert (out.action, out.job_id, out.next_attempt) == ("requeued", "123", 1)
-    verbs = [c[1] for c in _calls(log)]
+    verbs = [c[1] for c in _calls(log) if c[1] != "--json"]  # the first show asks for JSON (23.02+)
     # First: is Slurm cancelling it? Then: does the job hold GRES (the fake one holds none: no wait for
-    # dead nodes), requeue, and exclude node2 once the job is pending.
-    assert verbs == ["show", "show", "requeue", "show", "update"]
-    assert _calls(log)[-1][-1] == "ExcNodeList=node2"
+    # dead nodes), requeue, and exclude node2 once the job is pending; then how long Slurm holds it.
+    assert verbs == ["show", "show", "requeue", "show", "update", "show"]
+    assert _calls(log)[-2][-1] == "ExcNodeList=node2" and _calls(log)[-1][1:] == ["show", "config"]
     ev = rd.events()[-1]
     assert (
         ev["event"] == "requeued" and ev["attempt"] == 1 and ev["exclude"] == ["node2"] and ev["note"] is None
@@ -377,3 +381,18 @@ def test_end_attempt_reads_the_root_cause_from_the_event_log(rd: RunDir) -> None
     assert out.exit_code == Reason.STARTUP_FAILURE.exit_code
     ended = rd.events().of(events.ATTEMPT_ENDED)
     assert ended[0]["signature"] is not None and ended[0]["signature"] == ended[1]["signature"]
+
+
+def test_a_job_given_up_on_is_not_held_by_the_expedited_requeue(
+    rd: RunDir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm 25.11 holds (REQUEUE_HOLD) an ``--requeue=expedite`` job that exits non-zero with healthy
+    epilogs: a job hpcelastic does not bring back gets ``Requeue=0`` first (from Slurm's documentation;
+    no 25.11 here)."""
+    log = _fake_bin(tmp_path, monkeypatch, {"scontrol": _FAKE_SCONTROL})
+    monkeypatch.setenv("FAKE_SCONTROL", "ok")
+    rd.write_meta({**rd.read_meta(), "requeue_expedite": True})
+    out = _conclude(rd, 0, "restarts_exhausted", 3, [], "123", max_requeues=0)
+    assert out.action == "skipped"
+    assert ["scontrol", "update", "JobId=123", "Requeue=0"] in _calls(log)
+    assert not [c for c in _calls(log) if c[1] == "requeue"]

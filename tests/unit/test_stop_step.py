@@ -16,7 +16,8 @@ import pytest
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import Phase
 from hpcelastic.agent.loop import ignores_stop
-from hpcelastic.agent.stop_step import StepRate, stop_step
+from hpcelastic.agent.stop_step import END_MARGIN_S, StepRate, stop_grace, stop_step
+from hpcelastic.env.slurm import time_left
 from tests.unit.test_job_state import Clock, join_all, make, sends
 
 
@@ -187,3 +188,13 @@ def test_a_rank_ignores_the_stop_once_it_reports_a_step_it_began_after_the_stop_
     assert not ignores_stop(16, 12, 15)  # already past when the file came: its step then, and one more
     assert ignores_stop(17, 12, 15)
     assert not ignores_stop(None, 12, None) and not ignores_stop(20, None, 3)  # no steps, no stop step
+
+
+def test_stop_grace_is_cut_short_by_the_time_the_job_has_left() -> None:
+    assert stop_grace(60, None) == 60  # 22.05, or a preemption: the grace period as configured
+    assert stop_grace(60, 3600) == 60  # the time limit is far
+    assert stop_grace(60, 40) == 40 - END_MARGIN_S  # the limit comes first: room for the decision
+    assert stop_grace(60, 5) == 0  # nothing left: stop at once
+    env = {"SLURM_JOB_END_TIME": "1000100"}
+    assert time_left(env, 1_000_000.0) == 100
+    assert time_left({}, 1.0) is None and time_left({"SLURM_JOB_END_TIME": "soon"}, 1.0) is None
