@@ -60,6 +60,7 @@ def xdist_group(item: pytest.Item) -> str:
     return "_".join(sorted(names))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for a parallel run (``-n N --dist loadgroup``).
 
