@@ -65,6 +65,8 @@ class LocalRun:
     spare_nodes: int = 0
     replica_groups: int | None = None
     min_replica_groups: int | None = None
+    #: The checkpoint tier's settings (``TierSettings.to_text``), or None.
+    local_tier: str | None = None
 
     @property
     def agents(self) -> int:
@@ -91,6 +93,7 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]
         grace_period=spec.grace_period,
         replica_groups=spec.replica_groups,
         min_replica_groups=spec.min_replica_groups,
+        local_tier=spec.local_tier,
         module=spec.module,
         program=spec.program,
     )

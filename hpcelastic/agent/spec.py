@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from hpcelastic import sites
 from hpcelastic.errors import UserError
 from hpcelastic.parse import AUTO, check_module_name, parse_nodes, parse_nproc, parse_signal
+from hpcelastic.tier.settings import TierSettings
 
 DEFAULT_SIGNAL = parse_signal(sites.default("signal.name"))
 DEFAULT_MAX_RESTARTS: int = sites.default("max_restarts")
@@ -63,6 +64,8 @@ class AgentSpec:
     min_replica_groups: int = 1
     #: Fork workers from a fork server that has imported torch (agent/forkserver.py).
     warm_start: bool = True
+    #: The node-local checkpoint tier (hpcelastic/tier/); None: workers save to the checkpoint dir.
+    local_tier: TierSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class AgentCommand:
     replica_groups: int | None = None
     min_replica_groups: int | None = None
     no_warm_start: bool = False
+    #: The checkpoint tier's settings as one JSON object (``TierSettings.to_text``).
+    local_tier: str | None = None
     module: bool = False
     program: tuple[str, ...] = field(default=())
 
@@ -138,6 +143,7 @@ class AgentCommand:
             replica_groups=self.replica_groups or 1,
             min_replica_groups=self.min_replica_groups or 1,
             warm_start=not self.no_warm_start,
+            local_tier=TierSettings.parse(self.local_tier) if self.local_tier else None,
         )
 
 

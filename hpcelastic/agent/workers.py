@@ -41,6 +41,7 @@ from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.parse import parse_signal
 from hpcelastic.rundir import RunDir
+from hpcelastic.worker import ENV_CHECKPOINT_TIER
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -175,8 +176,14 @@ class WorkerConfig:
     stop_signal: str
     environ: Mapping[str, str]
     node_rank: int
+    #: ``checkpoint_dir`` is the node-local checkpoint tier's directory (hpcelastic/tier/).
+    local_tier: bool = False
 
 
+#: Set for workers whose checkpoint dir is the node-local tier: ``worker.publish_checkpoint`` marks the
+#: checkpoint complete for the agent, which publishes its persisted copy (hpcelastic/tier/).
+TIER_VARIABLE = ENV_CHECKPOINT_TIER
+TIER_LOCAL = "local"
 #: Never handed to workers (the launcher's own variables are already gone: ``Environment.worker_environ``).
 AGENT_SECRET_VARIABLE = "HPCELASTIC_SECRET"
 
@@ -221,6 +228,10 @@ def worker_env(
         HPCELASTIC_STOP_SIGNAL=cfg.stop_signal,
         HPCELASTIC_NODE_RANK=str(cfg.node_rank),
     )
+    if cfg.local_tier:
+        env[TIER_VARIABLE] = TIER_LOCAL
+    else:
+        env.pop(TIER_VARIABLE, None)
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     if share and "OMP_NUM_THREADS" not in cfg.environ:
@@ -362,12 +373,15 @@ class WorkerGroup:
         #: Each local rank's CPUs (agent/cpus.py), None when the job turned the split off.
         self.cpu_shares = cpus.worker_shares(cfg.environ, cfg.nproc)
 
-    def start(self, rnd: Round) -> float:
-        """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
+    def start(self, rnd: Round, restored: Path | None = None) -> float:
+        """Spawn this node's workers for ``rnd``; returns the time the last one was spawned.
+
+        ``restored``: the checkpoint the local tier placed for this round (their ``HPCELASTIC_RESUME_FROM``).
+        """
         self.round = rnd
         # Only a published checkpoint that still exists is handed to the workers (handoff.py).
-        resume = handoff.resume_path(self.cfg.run_dir)
-        argv = handoff.expand_resume(self.cfg.argv, resume)
+        resume = str(restored) if restored is not None else handoff.resume_path(self.cfg.run_dir)
+        argv = handoff.expand_args(self.cfg.argv, resume, self.cfg.checkpoint_dir)
         log_dir = self.cfg.run_dir.attempt_log_dir(self.cfg.attempt)
         for local_rank in range(self.cfg.nproc):
             rank = rnd.rank_offset + local_rank
@@ -501,6 +515,10 @@ class WorkerGroup:
         for pid in [worker.proc.pid, *_descendants(worker.proc.pid)]:
             files += open_for_writing(pid, self._checkpoint_dir)
         return files
+
+    def writing(self) -> list[str]:
+        """Files in the checkpoint dir that any running worker's tree holds open for writing."""
+        return [path for w in self.running() for path in self.saving(w)]
 
     def note_saves(self) -> None:
         """Record which running workers are writing a checkpoint now (a save is activity, never a stall)."""

@@ -29,6 +29,10 @@ from hpcelastic.parse import AUTO, MAX_GRACE_PERIOD_S, parse_nodes, parse_nproc
 
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 _PROGRAM = click.argument("program", nargs=-1, type=click.UNPROCESSED)
+_LOCAL_TIER_HELP = (
+    "Node-local checkpoint tier: a JSON object of checkpoint_tier settings, e.g. "
+    '\'{"local_checkpoint_dir": "/dev/shm/ckpt-{job}-{node}"}\' (docs/ARCHITECTURE.md).'
+)
 
 
 def _default(value: Any) -> str:
@@ -77,6 +81,7 @@ def _default(value: Any) -> str:
 @click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
 @click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
+@click.option("--local-tier", help=_LOCAL_TIER_HELP)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def agent(**params: Any) -> None:
@@ -114,6 +119,7 @@ def agent(**params: Any) -> None:
 @click.option("--replica-groups", type=click.IntRange(min=1), help="torchft replica groups [default: 1].")
 @click.option("--min-replica-groups", type=click.IntRange(min=1), help="Fewest groups to go on [default: 1].")
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
+@click.option("--local-tier", help=_LOCAL_TIER_HELP)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def run(
@@ -128,6 +134,7 @@ def run(
     replica_groups: int | None,
     min_replica_groups: int | None,
     no_warm_start: bool,
+    local_tier: str | None,
     module: bool,
     program: tuple[str, ...],
 ) -> None:
@@ -142,6 +149,10 @@ def run(
     lo, hi = parse_nodes(nodes)
     parse_nproc(nproc_per_node)
     worker_argv(program, module)
+    if local_tier:
+        from hpcelastic.tier.settings import TierSettings
+
+        TierSettings.parse(local_tier)
     if run_dir is not None and run_dir.exists():
         raise UserError(f"run directory {run_dir} already exists; pick a new one with --run-dir")
     if replica_groups or min_replica_groups:
@@ -165,5 +176,6 @@ def run(
         replica_groups=replica_groups,
         min_replica_groups=min_replica_groups,
         agent_args=("--no-warm-start",) if no_warm_start else (),
+        local_tier=local_tier,
     )
     sys.exit(run_local(spec))

@@ -81,6 +81,8 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     _from_schema("replica_groups"),
     _from_schema("min_replica_groups"),
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
+    _from_schema("local_checkpoint_dir"),
+    _from_schema("local_checkpoint_mb"),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),
     SubmitOption("env", "KEY=VALUE for the job (repeatable).", multiple=True),

@@ -139,6 +139,7 @@ def agent_command(spec: JobSpec) -> AgentCommand:
         replica_groups=spec.replica_groups if spec.replica_groups > 1 else None,
         min_replica_groups=spec.min_replica_groups if spec.min_replica_groups > 1 else None,
         no_warm_start=not spec.warm_start,
+        local_tier=spec.local_tier,
         module=spec.module,
         program=(spec.script, *spec.script_args),
     )

@@ -29,6 +29,7 @@ from hpcelastic.parse import (
     signal_name,
 )
 from hpcelastic.sites import Resolved, default
+from hpcelastic.tier.settings import TierSettings
 
 # bash refuses to assign these; the run directory variable is hpcelastic's own.
 _RESERVED_ENV = frozenset(
@@ -81,6 +82,7 @@ class JobSpec:
     replica_groups: int = 1  # torchft replica groups (hpcelastic.agent.replicas); 1: off
     min_replica_groups: int = 1
     warm_start: bool = True  # fork workers from the node's fork server (hpcelastic.agent.forkserver)
+    local_tier: str | None = None  # the node-local checkpoint tier's settings (hpcelastic.tier), JSON
 
     @property
     def nodes_text(self) -> str:
@@ -222,6 +224,7 @@ def build_spec(
         no_nul(a, "--sbatch-arg")
         if not a.startswith("-"):
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
+    tier = TierSettings.from_config(v)
     check_no_task_array(directives, f"site {config.site!r}: sbatch_directives entry")
     check_no_task_array(sbatch_args, "--sbatch-arg")
     return JobSpec(
@@ -266,4 +269,5 @@ def build_spec(
         replica_groups=groups,
         min_replica_groups=min_groups,
         warm_start=v("warm_start"),
+        local_tier=tier.to_text() if tier else None,
     )
