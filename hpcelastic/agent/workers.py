@@ -631,6 +631,7 @@ class WorkerGroup:
                 f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"
             )
             log.write(header.encode())
+            log.flush()  # the round's worker pid is in the log at once, even while the script is silent
             _copy_lines(worker.proc.stdout, log, prefix, worker.tail, self._out_fd)
         worker.proc.stdout.close()
 

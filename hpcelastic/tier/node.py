@@ -355,7 +355,8 @@ class LocalTier:
                 elif where == PEER:
                     tier = RestoreTier.PEER
                     placed += self._fetch(head.name, position, address, port)
-                    peers.append(str(node_rank))
+                    if str(node_rank) not in peers:
+                        peers.append(str(node_rank))
         except (channel.ChannelError, OSError) as e:
             if not head.path:
                 return Restored(None, f"restoring {head.name}: {e}")

@@ -165,7 +165,7 @@ def write_publish_marker(live: str, path: str, step: int) -> Path:
     if rel.startswith("..") or rel == ".":
         raise UserError(f"cannot publish {path}: under the local checkpoint tier it must be inside {live}")
     entry = rel.split(os.sep, 1)[0]
-    marker = scan.publish_marker(Path(live), entry)
+    marker = publish_marker(Path(live), entry)
     tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"entry": entry, "step": int(step)}))
     os.replace(tmp, marker)
