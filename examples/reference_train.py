@@ -35,11 +35,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpcelastic import worker
+worker: Any = None  # hpcelastic.worker, imported in main() unless --bare
 
 GLOBAL_BATCH = 24  # divisible by every world size the tests use (1, 2, 3, 4, 6, 8, 12)
 IN, HIDDEN, OUT = 8, 16, 1
@@ -69,6 +70,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="an unchanged script: no hpcelastic.worker calls")
     p.add_argument("--ckpt-dir", default=None, help="with --plain: where checkpoints are saved and found")
     p.add_argument(
+        "--bare",
+        action="store_true",
+        help="with --plain: do not even import hpcelastic (its import installs a handler for the stop "
+        "signal; a script that never heard of hpcelastic has none, and its agent stops it when not saving)",
+    )
+    p.add_argument(
         "--format", choices=("pt", "dcp"), default="pt", help="with --plain: how checkpoints are saved"
     )
     p.add_argument("--direct-save", action="store_true", help="torch.save straight to the file (no rename)")
@@ -87,7 +94,7 @@ def fault_armed(args: argparse.Namespace, rank: int) -> bool:
     return (
         args.fault != "none"
         and rank in {int(r) for r in str(args.fault_rank).split(",")}
-        and args.fault_attempt in (-1, worker.attempt())
+        and args.fault_attempt in (-1, int(os.environ.get("HPCELASTIC_ATTEMPT", "0") or 0))
         and args.fault_restart in (-1, restart)
     )
 
@@ -232,9 +239,14 @@ def load_dcp(path: Path, model: torch.nn.Module, momentum: list[torch.Tensor]) -
 
 
 def main(argv: list[str]) -> int:
+    global worker
     args = parse_args(argv)
     if args.plain and not args.ckpt_dir:
         raise SystemExit("--plain needs --ckpt-dir")
+    if args.bare and not args.plain:
+        raise SystemExit("--bare needs --plain")
+    if not args.bare:
+        from hpcelastic import worker
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fault == "startup" and fault_armed(args, rank):
         raise ImportError("injected start-up failure: no module named 'missing_dependency'")

@@ -1,8 +1,9 @@
 """The node-local checkpoint tier through ``hpcelastic submit`` on a testbed instance of this module's own
 (``ckpttier``: 4 nodes on 127.0.50.x, SlurmdTimeout 10 s), with unchanged scripts (issue 22).
 
-``reference_train.py --plain`` never imports hpcelastic: it saves into ``{checkpoint_dir}`` (the node's
-``/dev/shm`` directory under the tier) and resumes from the newest checkpoint it finds there. Each emulated
+``reference_train.py --plain --bare`` never imports hpcelastic (no handler for the stop signal): it
+saves into ``{checkpoint_dir}`` (the node's ``/dev/shm`` directory under the tier) and resumes from the
+newest checkpoint it finds there. Each emulated
 node's tier has a path of its own (``/dev/shm/hpce22-JOB-NODE``). One DCP job takes a worker crash
 (restored from each node's own memory), a node killed during a save (the torn save is never restored; the
 lost node's files come from its peer's replica onto the spare), and a crash that spends the restart budget
@@ -140,7 +141,7 @@ def test_dcp_job_restores_from_memory_then_a_peer_replica_then_the_persisted_tie
     job, run = submit(
         tb, tmp_path, {"replicas": 1, "persist_every": 1},
         ["--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2"],
-        ["--format", "dcp", "--fault", "slow-save", "--fault-step", "30", "--fault-rank", "0,1,2,3",
+        ["--bare", "--format", "dcp", "--fault", "slow-save", "--fault-step", "30", "--fault-rank", "0,1,2,3",
          "--fault-restart", "1", "--save-delay", "4"],
     )  # fmt: skip
     killed: list[str] = []
@@ -205,7 +206,7 @@ def test_torch_save_job_clears_a_torn_save_and_persists_the_last_checkpoint_at_a
     job, run = submit(
         tb, tmp_path, {"persist_every": 1000},  # nothing persisted in the background: only at the stop
         ["--nodes", "2", "--max-restarts", "2"],
-        ["--direct-save", "--fault", "ckpt-crash", "--fault-step", "15", "--fault-rank", "0"],
+        ["--bare", "--direct-save", "--fault", "ckpt-crash", "--fault-step", "15", "--fault-rank", "0"],
     )  # fmt: skip
     try:
         # 1. Rank 0 dies halfway through torch.save(step-15.pt): the torn file is cleared, step 10 restored.
@@ -226,6 +227,7 @@ def test_torch_save_job_clears_a_torn_save_and_persists_the_last_checkpoint_at_a
     last = max((e for e in named(first, "tier_checkpoint")), key=lambda e: e["step"])
     (persisted,) = named(first, "tier_persisted")
     assert persisted["stop"] and persisted["checkpoint"] == last["checkpoint"], persisted
+    assert 30 <= persisted["step"] < STEPS, persisted  # the workers were stopped, not finished
     assert persisted["ts"] - signalled["ts"] < 20, (persisted, signalled)  # testbed grace_period: 20 s
     assert [(e["attempt"], e["reason"]) for e in named(evs, "attempt_ended")][0] == (0, "preempted")
     r2 = {e["node"]: e for e in named(evs, "tier_restored") if e["attempt"] == 1 and e["round"] == 0}

@@ -1,0 +1,101 @@
+"""The node-local checkpoint tier under ``hpcelastic run`` (every node on this machine: replication is real
+but local), with the unchanged DCP script: a node lost from ``--nodes 2:3`` leaves two nodes that each
+restore the union of the three nodes' files (the lost node's from its peer's replica) and reshard on load;
+the run ends with the fault-free model. And a tier that cannot take a copy says so in one line naming the
+setting."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcelastic import events as ev
+from hpcelastic.agent.launcher import LocalRun, start_agents
+from hpcelastic.rundir import RunDir
+from hpcelastic.tier.node import LocalTier
+from hpcelastic.tier.settings import MB, TierSettings, check_node
+from tests.slurm_utils import TRAIN, reference_digest
+
+pytestmark = [pytest.mark.slow]
+STEPS = 40
+
+
+def test_a_lost_node_s_files_reach_the_survivors_from_its_peer_and_the_job_shrinks(tmp_path: Path) -> None:
+    template = f"/dev/shm/hpce22-local-{tmp_path.name}-{{node}}"
+    spec = LocalRun(
+        min_nodes=2,
+        max_nodes=3,
+        nproc="1",
+        max_restarts=2,
+        run_dir=tmp_path / "run",
+        local_tier=TierSettings(template).to_text(),
+        agent_args=("--rdzv-timeout", "30", "--grace-period", "10"),
+        program=(
+            str(TRAIN), "--plain", "--format", "dcp", "--ckpt-dir", "{checkpoint_dir}", "--steps", str(STEPS),
+            "--step-time", "0.1", "--out", str(tmp_path / "out"),
+            "--fault", "kill-agent", "--fault-rank", "2", "--fault-step", "22",
+        ),
+    )  # fmt: skip
+    run_dir, agents = start_agents(spec)
+    codes = [a.wait(timeout=240) for a in agents]
+    log = list(RunDir(run_dir.path).events())
+    assert codes[:2] == [0, 0], (codes, log[-5:])
+    lost = [e for e in log if e["event"] == ev.NODE_LOST]
+    assert [e["node"] for e in lost] == ["local2"]
+    last = max(e["round"] for e in log if e["event"] == ev.RENDEZVOUS)
+    (shrunk,) = [e for e in log if e["event"] == ev.RENDEZVOUS and e["round"] == last]
+    assert shrunk["world_size"] == 2
+    restored = {e["node"]: e for e in log if e["event"] == ev.TIER_RESTORED and e["round"] == last}
+    assert set(restored) == {"local0", "local1"} and len({e["checkpoint"] for e in restored.values()}) == 1
+    assert "peer" in {e["tier"] for e in restored.values()}, restored
+    assert all(e["step"] >= 15 for e in restored.values()), restored
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(STEPS)
+    assert not list(Path("/dev/shm").glob(f"hpce22-local-{tmp_path.name}-*"))
+
+
+def test_a_copy_that_does_not_fit_the_budget_is_refused_with_one_line_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    run = RunDir.create(tmp_path / "run")
+    settings = TierSettings(f"/dev/shm/hpce22-budget-{tmp_path.name}", local_checkpoint_mb=1)
+    node = check_node(settings, settings.local_dir("n0", "j"), run.path)
+    tier = LocalTier(
+        settings, node, run_dir=run, checkpoint_dir=tmp_path / "ckpt", secret="s", host="n0", node_rank=0,
+        attempt=0, say=lambda text: None,
+    )  # fmt: skip
+    try:
+        (tier.live / "step-5.pt").write_bytes(b"x" * (MB // 2))
+        assert tier.room_for(MB // 4, "a replica of step-5") is None
+        why = tier.room_for(MB, "a replica of step-10")
+        assert why is not None and "\n" not in why
+        assert why.startswith(
+            "a replica of step-10 (1 MB) does not fit checkpoint_tier.local_checkpoint_mb=1 on n0"
+        )
+        (refused,) = [e for e in run.events() if e["event"] == ev.TIER_REFUSED]
+        assert refused["size"] == MB and refused["budget"] == MB and refused["why"] == why
+    finally:
+        tier.close()
+    assert not node.root.exists()
+
+
+def test_submit_refuses_a_bad_tier_setting_in_one_line_and_creates_nothing(tmp_path: Path) -> None:
+    import subprocess
+
+    argv = [
+        sys.executable,
+        "-m",
+        "hpcelastic",
+        "submit",
+        "--site",
+        "testbed",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    argv += ["--local-checkpoint-dir", "ckpt-{node}", str(TRAIN)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "checkpoint_tier.local_checkpoint_dir: 'ckpt-{node}' is not an absolute path" in proc.stderr
+    assert not (tmp_path / "run").exists()
