@@ -76,6 +76,9 @@ def main() -> None:
         dcp.load(state, checkpoint_id=str(resume))
         start = int(resume.name.split("-")[-1])
         note(loaded_s=time.perf_counter() - t0, resumed=start, since_start_s=time.time() - t_start)
+    # async_save's collectives run on a thread of their own: a group of their own keeps them apart from
+    # the training's (gloo runs one collective at a time per group).
+    save_group = dist.new_group(backend="gloo") if args.use_async else None
     pending = None
     for step in range(start, args.steps):
         time.sleep(args.step_time)
@@ -91,7 +94,7 @@ def main() -> None:
             if args.use_async:
                 if pending is not None:
                     pending.result()
-                pending = dcp.async_save(state, checkpoint_id=path)
+                pending = dcp.async_save(state, checkpoint_id=path, process_group=save_group)
             else:
                 dcp.save(state, checkpoint_id=path)
             note(blocked_s=time.perf_counter() - t0, step=done)

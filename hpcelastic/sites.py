@@ -257,7 +257,11 @@ SCHEMA: dict[str, Key] = {
         nullable=False,
     ),
     "checkpoint_tier.keep": Key(
-        int, 2, "complete checkpoints each node keeps locally", check=_at_least(1), nullable=False
+        int,
+        1,
+        "complete checkpoints each node keeps (an older one goes only once a newer one has its replicas)",
+        check=_at_least(1),
+        nullable=False,
     ),
     "checkpoint_tier.replication_mb_s": Key(
         int,

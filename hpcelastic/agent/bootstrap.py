@@ -122,6 +122,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)
+    if tier is not None:
+        tier.clean_on_death(watchdog)
     group = WorkerGroup(cfg, selector, watchdog, forkserver=forkserver, cold_reason=cold_reason)
     stack.callback(group.stop, RESTART_KILL_GRACE)
     health = GpuHealth.open(ctx.nvml_gpu_ids)

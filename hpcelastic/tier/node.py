@@ -30,6 +30,7 @@ from pathlib import Path
 
 from hpcelastic import events, handoff
 from hpcelastic.agent import messages
+from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.errors import UserError
 from hpcelastic.events import RestoreTier
 from hpcelastic.rundir import RunDir
@@ -119,6 +120,12 @@ class LocalTier:
     def port(self) -> int:
         return self.server.port
 
+    def clean_on_death(self, watchdog: Watchdog) -> None:
+        """Have the agent's watchdog remove this tier if the agent dies before :meth:`close`."""
+        watchdog.remove_on_death(str(self.base))
+        if self._made_root:
+            watchdog.remove_on_death(str(self.base.parent), only_if_empty=True)
+
     def close(self) -> None:
         """Stop serving and copying, and remove this node's tier (its memory is the node's again)."""
         self.server.close()
@@ -162,7 +169,7 @@ class LocalTier:
             f"{key('replicas')}/{key('keep')}"
         )
         event = events.tier_refused(
-            attempt=self.attempt, node=self.host, name=what, size=size, budget=self.budget, why=why
+            attempt=self.attempt, node=self.host, checkpoint=what, size=size, budget=self.budget, why=why
         )
         self.run_dir.record(event, host=self.host)
         return why
