@@ -13,9 +13,9 @@ whose round ends (a failure, a node killed during the save) is torn: never repli
 Complete checkpoints are replicated (each part to the next ``replicas`` nodes of the round, in position
 order), persisted every ``persist_every``-th (and the last one when the workers end: :meth:`flush`), and
 *safe* once every part has its replicas: then the nodes drop older local copies. Before each round every
-node gets a restore plan (:meth:`restore_plan`): the newest complete checkpoint whose every part is still in
-some node's memory, else the newest persisted one; each part from the nearest copy (this node, a peer, the
-shared directory).
+node gets a restore plan (:meth:`restore_plan`): the newest complete checkpoint that can be restored (every
+part still in some node's memory, or persisted); each part from the nearest copy (this node, a peer), or the
+whole persisted copy when a part is in no node's memory.
 """
 
 from __future__ import annotations
@@ -175,16 +175,17 @@ class TierBook:
         self._plan = (round, target)
 
     def _restore_target(self) -> Checkpoint | None:
-        """The newest complete checkpoint whose every part some live node holds, else the newest persisted."""
+        """The newest complete checkpoint that can be restored: each part in live memory, or persisted."""
         complete = sorted(
             (c for c in self.checkpoints.values() if c.complete and not c.abandoned),
             key=_newest,
             reverse=True,
         )
+        live = set(self.members)
         for c in complete:
-            if c.stored() and all(p.holders & set(self.members) for p in c.stored()):
+            if c.committed or (c.stored() and all(p.holders & live for p in c.stored())):
                 return c
-        return next((c for c in complete if c.committed), None)
+        return None
 
     def _sources(
         self, target: Checkpoint, node_rank: int, position: str

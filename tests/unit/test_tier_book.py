@@ -3,6 +3,8 @@ complete job-wide, who replicates and persists it, what each round restores and 
 
 from __future__ import annotations
 
+import random
+
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import Record, Send
 from hpcelastic.tier.book import HERE, PEER, PERSISTED, TierBook
@@ -202,3 +204,114 @@ def test_with_replica_groups_only_a_nodes_first_round_restores() -> None:
     first = b.restore_plan(0, round_msg(0, 0, 1, groups=2, group=0))
     assert first == [messages.TierRestore(0, "")]
     assert b.restore_plan(0, round_msg(1, 0, 1, groups=2, group=0)) == []  # torchft heals the group
+
+
+# ---- long random runs: the invariants of every restore plan ---------------------------------------
+def test_restore_plans_are_sound_over_many_random_runs() -> None:
+    """3,000 random runs of checkpoints, replicas, persists, node losses and rounds: every restore plan names
+    the newest checkpoint that can be restored (complete, never torn; every part really held by a live node,
+    or really committed), and each part comes from a node that really holds it (itself or a live peer) or from
+    the committed copy."""
+    for seed in range(3_000):
+        rng = random.Random(seed)
+        _random_run(rng)
+
+
+def _random_run(rng: random.Random) -> None:
+    nodes = rng.randint(2, 5)
+    b = book(nodes=nodes, replicas=rng.choice([0, 1, 2]), persist_every=rng.choice([1, 2, 3]))
+    live = set(range(nodes))
+    holds: dict[tuple[str, str], set[int]] = {}  # (checkpoint, position) -> nodes that truly hold it
+    complete: set[str] = set()
+    committed: set[str] = set()
+    positions: dict[int, str] = {}
+    rnd = 0
+
+    def deliver(actions: list) -> None:
+        """The agents do what the coordinator asks, as the real ones would (copies always succeed here)."""
+        queue = list(actions)
+        while queue:
+            a = queue.pop(0)
+            if not isinstance(a, Send) or a.node_rank not in live:
+                continue
+            m = a.message
+            if isinstance(m, messages.TierComplete):
+                complete.add(m.name)
+                for peer, _addr, _port in m.peers:
+                    if peer in live:
+                        holds.setdefault((m.name, m.position), set()).add(peer)
+                        queue += b.have(peer, have(m.name, m.position, kind="replica"))
+                if m.persist:
+                    queue += b.have(a.node_rank, have(m.name, m.position, kind="persisted"))
+            elif isinstance(m, messages.TierCommit):
+                committed.add(m.name)
+                queue += b.have(
+                    a.node_rank, messages.TierHave(m.name, "", "committed", m.step, path=f"/c/{m.name}")
+                )
+
+    def new_round() -> None:
+        nonlocal rnd
+        rnd += 1
+        order = sorted(live)[: rng.randint(1, len(live))]
+        positions.clear()
+        positions.update({n: str(i) for i, n in enumerate(order)})
+        plans = {n: b.restore_plan(n, round_msg(rnd, int(p), len(order))) for n, p in positions.items()}
+        names = {msgs[0].name for msgs in plans.values()}
+        assert len(names) == 1
+        name = names.pop()
+        restorable = {
+            c.name: c.step or 0
+            for c in b.checkpoints.values()
+            if c.name in complete
+            and not c.abandoned
+            and (
+                c.name in committed
+                or (c.stored() and all(holds.get((c.name, p.position), set()) & live for p in c.stored()))
+            )
+        }
+        if name:
+            assert name in restorable, (name, restorable)
+            assert restorable[name] == max(restorable.values()), (name, restorable)  # the newest one
+        else:
+            assert not restorable, restorable
+        for n, msgs in plans.items():
+            for pos, where, src, _addr, _port in (s for m in msgs for s in m.sources):
+                if where == PERSISTED:
+                    assert name in committed
+                elif where == HERE:
+                    assert n in holds.get((name, pos), set()), (n, name, pos, holds)
+                else:
+                    assert src in live and src in holds.get((name, pos), set()), (src, name, pos)
+                    holds[(name, pos)].add(n)
+        # Nodes clear every other checkpoint out of memory (tier/node.py _clear_live).
+        for key in list(holds):
+            if key[0] != name:
+                del holds[key]
+
+    new_round()
+    for step in range(1, rng.randint(5, 40)):
+        name = f"step-{step}"
+        writers = list(positions)
+        rng.shuffle(writers)
+        torn = rng.random() < 0.15
+        marker_node = writers[0]
+        actions = b.have(marker_node, have(name, positions[marker_node], marker=True, step=step))
+        holds[(name, positions[marker_node])] = {marker_node}
+        for n in writers[1:]:
+            if torn and rng.random() < 0.5:
+                live.discard(n)  # dies before it answers: the checkpoint is torn
+                actions += b.lost(n)
+                break
+            size = rng.choice([0, 10])
+            actions += b.have(n, have(name, positions[n], size=size, step=step))
+            if size:
+                holds[(name, positions[n])] = {n}
+        deliver(actions)
+        if rng.random() < 0.2 and len(live) > 1:
+            victim = rng.choice(sorted(live))
+            live.discard(victim)
+            for h in holds.values():
+                h.discard(victim)
+            deliver(b.lost(victim))
+        if rng.random() < 0.3 or set(positions) - live:
+            new_round()
