@@ -3,8 +3,9 @@ FSDP holds it), steps for ``--step-time`` s and checkpoints it every ``--ckpt-ev
 ``torch.distributed.checkpoint`` into ``--ckpt-dir`` (``save``, or ``async_save`` with ``--async``),
 resuming from the newest complete checkpoint there. An unchanged script: no hpcelastic import.
 
-Appends to ``<out>/times-<rank>.jsonl``: the memory copy of its state (``copy_s``), each checkpoint's blocked
-time (``blocked_s``), and when it had loaded and trained its first step after a (re)start.
+Appends to ``<out>/times-<rank>.jsonl``: the memory copy of its state (``copy_s``), each checkpoint's
+blocked time (``blocked_s``; of it, ``waited_s`` for the previous async save to finish writing), and when it
+had loaded and trained its first step after a (re)start.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ def main() -> None:
 
     n = max(1, args.mb // TENSOR_MB)
     state = {f"r{rank}.t{i}": torch.full((TENSOR_MB << 18,), float(i)) for i in range(n)}
-    t0 = time.perf_counter()
-    copy = {k: v.clone() for k, v in state.items()}
-    note(copy_s=time.perf_counter() - t0)
-    del copy
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        t0 = time.perf_counter()
+        copy = {k: v.clone() for k, v in state.items()}
+        note(copy_s=time.perf_counter() - t0)
+        del copy
     ckpt_dir = Path(args.ckpt_dir)
     start = 0
     resume = newest(ckpt_dir)
@@ -91,13 +93,15 @@ def main() -> None:
         if done % args.ckpt_every == 0:
             path = str(ckpt_dir / f"step-{done:06d}")
             t0 = time.perf_counter()
+            waited = 0.0
             if args.use_async:
                 if pending is not None:
-                    pending.result()
+                    pending.result()  # the previous save still writing: the training waits for it
+                    waited = time.perf_counter() - t0
                 pending = dcp.async_save(state, checkpoint_id=path, process_group=save_group)
             else:
                 dcp.save(state, checkpoint_id=path)
-            note(blocked_s=time.perf_counter() - t0, step=done)
+            note(blocked_s=time.perf_counter() - t0, waited_s=waited, step=done)
     if pending is not None:
         pending.result()
     dist.barrier()

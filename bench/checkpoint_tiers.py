@@ -7,7 +7,8 @@ MB of state of its own (sharded, 64 MB tensors), a checkpoint every CKPT_EVERY s
 RUNS runs:
 
 - blocked: the training's time inside the checkpoint call, against a memory copy of the state (``clone``);
-- failure to training again, including the load: a worker SIGKILLed after the second checkpoint (restore
+- failure to training again, including the load: a worker SIGKILLed once the second checkpoint is written
+  (with the tier: replicated and persisted, the steady state between checkpoints) (restore
   from the node's own memory, or a reload from the shared directory, read cold: its pages are evicted from
   the page cache first, as a read from a network filesystem would be), and a node's agent and workers
   SIGKILLed with ``--spare-nodes 1`` (the spare restores the lost node's files from its peer's replica):
@@ -56,7 +57,7 @@ from hpcelastic.rundir import RunDir  # noqa: E402
 from hpcelastic.tier.settings import TierSettings  # noqa: E402
 
 TRAIN = REPO / "bench" / "_tier_train.py"
-STEPS, STEP_TIME, CKPT_EVERY = 40, 0.25, 10
+STEPS, STEP_TIME, CKPT_EVERY = 40, 0.5, 10
 #: The share of training time each method may spend blocked in checkpoints (for the redone-work column).
 BUDGET = 0.01
 #: Today's projection (bench/goodput.py): async DCP of a 7B model, hpcelastic's launcher cost per failure.
@@ -73,8 +74,12 @@ class Sample:
     fault: str
     copy_s: float = math.nan
     blocked_s: list[float] = field(default_factory=list)
+    #: Of the blocked time, the waits for the previous async save to finish writing.
+    waited_s: list[float] = field(default_factory=list)
     recovery_s: float = math.nan
     load_s: float = math.nan
+    #: The tier's restore before the new round's workers started (the slowest node's).
+    restore_s: float = math.nan
     peak_mb: float = math.nan
     ok: bool = False
     note: str = ""
@@ -181,16 +186,16 @@ def run_once(method: str, fault: str, nodes: int, mb: int, root: Path) -> Sample
         second = ckpt / f"step-{2 * CKPT_EVERY:06d}" if not tier else None
 
         def second_done() -> bool:
+            """The second checkpoint is written (its .metadata), or, with the tier, replicated and persisted:
+            the failure comes in the steady state, not while the tier still copies the checkpoint."""
             if second is not None:
                 return (second / ".metadata").exists()
-            evs = [e for e in RunDir(run).events() if e["event"] == "tier_checkpoint"]
+            evs = [e for e in RunDir(run).events() if e["event"] == "tier_persisted"]
             return any((e.get("step") or 0) >= 2 * CKPT_EVERY for e in evs)
 
         if not wait(second_done, RUN_TIMEOUT / 2):
             sample.note = "no second checkpoint"
             return sample
-        if tier and fault == "node":
-            time.sleep(1.0)  # let the replica land (seconds at this size; the events say when)
         kill_ts = time.time()
         if fault == "worker":
             pid = worker_pid(run, 0)
@@ -206,11 +211,18 @@ def run_once(method: str, fault: str, nodes: int, mb: int, root: Path) -> Sample
         rows = times(out)
         sample.copy_s = statistics.median([r["copy_s"] for r in rows if "copy_s" in r])
         sample.blocked_s = [r["blocked_s"] for r in rows if "blocked_s" in r and r["ts"] < kill_ts]
+        sample.waited_s = [r["waited_s"] for r in rows if "waited_s" in r and r["ts"] < kill_ts]
         firsts = [r for r in rows if "first_step" in r and r["ts"] > kill_ts]
         loads = [r["loaded_s"] for r in rows if "loaded_s" in r and r["ts"] > kill_ts]
         if firsts:
             sample.recovery_s = max(r["ts"] for r in firsts) - kill_ts
         sample.load_s = max(loads) if loads else math.nan
+        restores = [
+            e["duration_s"]
+            for e in RunDir(run).events()
+            if e["event"] == "tier_restored" and e["ts"] > kill_ts
+        ]
+        sample.restore_s = max(restores) if restores else math.nan
         sample.ok = codes[0] == 0 and bool(firsts)
         if not sample.ok:
             sample.note = f"exit codes {codes}"
@@ -241,6 +253,7 @@ def summarize(samples: list[Sample], nodes: int, mb: int, runs: int) -> str:
 
     copy = med([s.copy_s for s in samples if s.ok])
     blocked = {m: med([b for s in samples if s.method == m and s.ok for b in s.blocked_s]) for m in METHODS}
+    waited = {m: med([b for s in samples if s.method == m and s.ok for b in s.waited_s]) for m in METHODS}
     lines = [
         "## Checkpoint tiers: shared directory, async, node-local (`bench/checkpoint_tiers.py`)",
         "",
@@ -252,9 +265,10 @@ def summarize(samples: list[Sample], nodes: int, mb: int, runs: int) -> str:
         "",
         f"A memory copy of a node's state (`clone`): {fmt(copy)} s.",
         "",
-        "| method | blocked per checkpoint | / memory copy | failure to training (worker crash) | load in it "
-        "| failure to training (node lost, spare) | peak host memory per node |",
-        "|---|---|---|---|---|---|---|",
+        "| method | blocked per checkpoint | of it, waiting for the previous save | / memory copy "
+        "| failure to training (worker crash) | load in it | restore in it "
+        "| failure to training (node lost, spare) | restore in it | peak host memory per node |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     recovery: dict[str, float] = {}
     for m in METHODS:
@@ -264,9 +278,11 @@ def summarize(samples: list[Sample], nodes: int, mb: int, runs: int) -> str:
         recovery[m] = rec_node if not math.isnan(rec_node) else rec_crash
         peak = med([s.peak_mb for s in crash + node])
         lines.append(
-            f"| {m} | {fmt(blocked[m], '.2f', ' s')} | {fmt(blocked[m] / copy, '.1f', 'x')} "
+            f"| {m} | {fmt(blocked[m], '.2f', ' s')} | {fmt(waited[m], '.2f', ' s')} "
+            f"| {fmt(blocked[m] / copy, '.1f', 'x')} "
             f"| {fmt(rec_crash, '.2f', ' s')} | {fmt(med([s.load_s for s in crash]), '.2f', ' s')} "
-            f"| {fmt(rec_node, '.2f', ' s')} | {fmt(peak, '.0f', ' MB')} |"
+            f"| {fmt(med([s.restore_s for s in crash]), '.2f', ' s')} | {fmt(rec_node, '.2f', ' s')} "
+            f"| {fmt(med([s.restore_s for s in node]), '.2f', ' s')} | {fmt(peak, '.0f', ' MB')} |"
         )
     shared, local = blocked["shared save"], blocked["local tier"]
     lines += [
@@ -324,7 +340,8 @@ def main() -> None:
                     s = run_once(method, fault, args.nodes, args.mb, Path(tmp))
                     print(
                         f"run {i + 1} {method:18} {fault:6} blocked {med(s.blocked_s):.2f} s "
-                        f"recovery {s.recovery_s:.2f} s load {s.load_s:.2f} s peak {s.peak_mb:.0f} MB "
+                        f"recovery {s.recovery_s:.2f} s load {s.load_s:.2f} s restore {s.restore_s:.2f} s "
+                        f"peak {s.peak_mb:.0f} MB "
                         f"{'ok' if s.ok else 'FAILED ' + s.note}",
                         flush=True,
                     )

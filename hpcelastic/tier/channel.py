@@ -35,6 +35,7 @@ from hpcelastic.agent import protocol
 
 CHUNK = 4 << 20
 CONNECT_TIMEOUT_S = 3.0
+HANDSHAKE_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 8
 LABEL = b"hpcelastic/tier-data/1"
@@ -291,7 +292,7 @@ class DataServer:
         staging: Path | None = None
         try:
             with conn:
-                conn.settimeout(IO_TIMEOUT_S)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)  # a stranger holds a slot for seconds, not a minute
                 nonce = protocol.new_nonce()
                 conn.sendall(
                     protocol.encode_plain({"t": "challenge", "nonce": nonce, "v": protocol.PROTOCOL_VERSION})
@@ -299,6 +300,7 @@ class DataServer:
                 session, hello = protocol.server_accept_hello(
                     self._secret, nonce, protocol.recv_payload(conn)
                 )
+                conn.settimeout(IO_TIMEOUT_S)
                 name, position = str(hello.get("name", "")), str(hello.get("position", ""))
                 if hello.get("op") == "get":
                     self._serve_get(conn, session, name, position)

@@ -229,6 +229,8 @@ class LocalTier:
         elif isinstance(msg, messages.TierSafe):
             with self._lock:
                 self._safe.add(msg.name)
+                if msg.name not in self._complete:  # a checkpoint this node holds replicas of only
+                    self._complete.append(msg.name)
             self._tasks.put(self._drop_unneeded)
         elif isinstance(msg, messages.TierCommit):
             self._tasks.put(lambda: self._commit(msg))

@@ -100,3 +100,78 @@ def test_submit_refuses_a_bad_tier_setting_in_one_line_and_creates_nothing(tmp_p
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "checkpoint_tier.local_checkpoint_dir: 'ckpt-{node}' is not an absolute path" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_that_publishes_resumes_from_memory_and_its_persisted_copy_is_published(
+    tmp_path: Path,
+) -> None:
+    """``worker.publish_checkpoint`` under the tier marks the checkpoint complete; a restart resumes from the
+    node's memory (``resume_path()``), and the handoff record names the persisted copy."""
+    from hpcelastic import handoff
+
+    template = f"/dev/shm/hpce22-pub-{tmp_path.name}-{{node}}"
+    steps = 20
+    spec = LocalRun(
+        min_nodes=2,
+        max_nodes=2,
+        nproc="1",
+        max_restarts=2,
+        run_dir=tmp_path / "run",
+        local_tier=TierSettings(template).to_text(),
+        agent_args=("--rdzv-timeout", "30", "--grace-period", "10"),
+        program=(
+            str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out"),
+            "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "13",
+        ),
+    )  # fmt: skip
+    run_dir, agents = start_agents(spec)
+    codes = [a.wait(timeout=240) for a in agents]
+    log = list(RunDir(run_dir.path).events())
+    assert codes == [0, 0], (codes, log[-5:])
+    (restored, *_) = [e for e in log if e["event"] == ev.TIER_RESTORED and e["round"] == 1]
+    assert restored["tier"] == "local" and restored["checkpoint"] == "step-000010.pt", restored
+    rank0 = RunDir(run_dir.path).rank_log_path(0, 0).read_text()
+    assert (
+        f"resuming from /dev/shm/hpce22-pub-{tmp_path.name}-local0/hpcelastic-tier/live/step-000010.pt"
+        in rank0
+    )
+    published = handoff.load(run_dir.path).checkpoint
+    assert published is not None and published["path"] == str(run_dir.path / "checkpoints" / "step-000020.pt")
+    assert Path(published["path"]).is_file() and published["step"] == steps
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+
+
+def test_older_copies_go_only_once_a_newer_checkpoint_has_its_replicas(tmp_path: Path) -> None:
+    """A node holding only peers' replicas (it wrote nothing: rank 0 saves) keeps the older one until the
+    newer is safe, then drops it; a newer one not yet safe never makes it drop anything."""
+    import time
+
+    from hpcelastic.agent import messages
+    from hpcelastic.tier import channel
+
+    run = RunDir.create(tmp_path / "run")
+    settings = TierSettings(f"/dev/shm/hpce22-keep-{tmp_path.name}")
+    node = check_node(settings, settings.local_dir("n1", "j"), run.path)
+    tier = LocalTier(
+        settings, node, run_dir=run, checkpoint_dir=tmp_path / "ckpt", secret="s", host="n1", node_rank=1,
+        attempt=0, say=lambda text: None,
+    )  # fmt: skip
+    sent: list[messages.Message] = []
+    tier.send = lambda m: sent.append(m) or True
+    try:
+        for step in (5, 10):
+            f = tmp_path / f"step-{step}.pt"
+            f.write_bytes(b"x" * 1000)
+            files = [channel.FileRef(f.name, f, 1000)]
+            channel.put("127.0.0.1", tier.port, "s", f.name, "0", files, channel.Throttle(1 << 30))
+        replicas = tier.replicas / "0"
+        assert sorted(p.name for p in replicas.iterdir()) == ["step-10.pt", "step-5.pt"]
+        assert [(m.name, m.kind) for m in sent] == [("step-5.pt", "replica"), ("step-10.pt", "replica")]
+        tier.on_message(messages.TierSafe("step-5.pt"))
+        tier.on_message(messages.TierSafe("step-10.pt"))
+        deadline = time.monotonic() + 10
+        while (replicas / "step-5.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(p.name for p in replicas.iterdir()) == ["step-10.pt"]
+    finally:
+        tier.close()
