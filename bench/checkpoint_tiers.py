@@ -8,7 +8,7 @@ RUNS runs:
 
 - blocked: the training's time inside the checkpoint call, against a memory copy of the state (``clone``);
 - failure to training again, including the load: a worker SIGKILLed once the second checkpoint is written
-  (with the tier: replicated and persisted, the steady state between checkpoints) (restore
+  (with the tier: replicated, the steady state between checkpoints) (restore
   from the node's own memory, or a reload from the shared directory, read cold: its pages are evicted from
   the page cache first, as a read from a network filesystem would be), and a node's agent and workers
   SIGKILLed with ``--spare-nodes 1`` (the spare restores the lost node's files from its peer's replica):
@@ -57,7 +57,7 @@ from hpcelastic.rundir import RunDir  # noqa: E402
 from hpcelastic.tier.settings import TierSettings  # noqa: E402
 
 TRAIN = REPO / "bench" / "_tier_train.py"
-STEPS, STEP_TIME, CKPT_EVERY = 40, 0.5, 10
+STEPS, STEP_TIME, CKPT_EVERY = 60, 0.5, 10
 #: The share of training time each method may spend blocked in checkpoints (for the redone-work column).
 BUDGET = 0.01
 #: Today's projection (bench/goodput.py): async DCP of a 7B model, hpcelastic's launcher cost per failure.
@@ -186,11 +186,11 @@ def run_once(method: str, fault: str, nodes: int, mb: int, root: Path) -> Sample
         second = ckpt / f"step-{2 * CKPT_EVERY:06d}" if not tier else None
 
         def second_done() -> bool:
-            """The second checkpoint is written (its .metadata), or, with the tier, replicated and persisted:
-            the failure comes in the steady state, not while the tier still copies the checkpoint."""
+            """The second checkpoint is written (its .metadata), or, with the tier, replicated: the failure
+            comes in the steady state, not while the tier still copies the checkpoint to the peer."""
             if second is not None:
                 return (second / ".metadata").exists()
-            evs = [e for e in RunDir(run).events() if e["event"] == "tier_persisted"]
+            evs = [e for e in RunDir(run).events() if e["event"] == "tier_replicated"]
             return any((e.get("step") or 0) >= 2 * CKPT_EVERY for e in evs)
 
         if not wait(second_done, RUN_TIMEOUT / 2):
@@ -199,8 +199,13 @@ def run_once(method: str, fault: str, nodes: int, mb: int, root: Path) -> Sample
         kill_ts = time.time()
         if fault == "worker":
             pid = worker_pid(run, 0)
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
+            try:
+                if pid is None:
+                    raise ProcessLookupError
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                sample.note = "the worker was gone before the fault"
+                return sample
         else:
             victim = psutil.Process(agents[nodes - 1].pid)
             procs = [victim, *victim.children(recursive=True)]

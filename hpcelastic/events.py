@@ -50,6 +50,7 @@ class EventName(Named):
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
     STOP_IGNORED = "stop_ignored"
     TIER_CHECKPOINT = "tier_checkpoint"
+    TIER_REPLICATED = "tier_replicated"
     TIER_PERSISTED = "tier_persisted"
     TIER_PERSIST_MISSED = "tier_persist_missed"
     TIER_RESTORED = "tier_restored"
@@ -84,6 +85,7 @@ REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
 TIER_CHECKPOINT = EventName.TIER_CHECKPOINT
+TIER_REPLICATED = EventName.TIER_REPLICATED
 TIER_PERSISTED = EventName.TIER_PERSISTED
 TIER_PERSIST_MISSED = EventName.TIER_PERSIST_MISSED
 TIER_RESTORED = EventName.TIER_RESTORED
@@ -498,6 +500,21 @@ def tier_checkpoint(
         step=step,
         size=size,
         parts=parts,
+    )
+
+
+def tier_replicated(
+    *, attempt: int, checkpoint: str, step: int | None, replicas: int, duration_s: float
+) -> Event:
+    """Every node's files of ``checkpoint`` have ``replicas`` copies on other nodes, ``duration_s`` after it
+    was complete: a node's death loses none of it, and older local copies may go."""
+    return _event(
+        TIER_REPLICATED,
+        attempt=attempt,
+        checkpoint=checkpoint,
+        step=step,
+        replicas=replicas,
+        duration_s=_seconds(duration_s),
     )
 
 

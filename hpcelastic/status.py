@@ -176,7 +176,13 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
     ),
     events.TIER_REFUSED: lambda e: ("local checkpoint tier full", str(e.get("why"))),
 }
-_QUIET = {events.WORKERS_STARTED, events.WORKER_FAILED, events.PROGRESS, events.TIER_CHECKPOINT}
+_QUIET = {
+    events.WORKERS_STARTED,
+    events.WORKER_FAILED,
+    events.PROGRESS,
+    events.TIER_CHECKPOINT,
+    events.TIER_REPLICATED,
+}
 _KNOWN = {str(n) for n in EventName}
 
 

@@ -306,7 +306,14 @@ class TierBook:
         if any(len(p.holders - {p.owner}) < wanted for p in c.stored()):
             return []
         c.safe = True
-        return [Send(n, messages.TierSafe(c.name)) for n in sorted(self.members)]
+        event = events.tier_replicated(
+            attempt=self.attempt,
+            checkpoint=c.name,
+            step=c.step,
+            replicas=wanted,
+            duration_s=self.clock() - c.complete_ts if c.complete_ts else 0.0,
+        )
+        return [Record(event), *(Send(n, messages.TierSafe(c.name)) for n in sorted(self.members))]
 
     def _maybe_commit(self, c: Checkpoint) -> list[Action]:
         if c.committed or not c.stored() or not all(p.persisted for p in c.stored()) or not self.members:
