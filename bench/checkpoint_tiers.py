@@ -13,8 +13,9 @@ RUNS runs:
   the page cache first, as a read from a network filesystem would be), and a node's agent and workers
   SIGKILLed with ``--spare-nodes 1`` (the spare restores the lost node's files from its peer's replica):
   the time from the kill to the first step of the new round;
-- peak host memory per node: the largest sum, over the run, of a node's processes' resident memory and its
-  local tier's bytes in ``/dev/shm`` (which count against memory);
+- peak host memory per node: the largest sum, over the run, of a node's processes' resident anonymous memory
+  and its local tier's bytes in ``/dev/shm`` (which count against memory; files mapped to send them are not
+  counted twice);
 - work redone per failure at the checkpoint interval each method affords for the same blocked-time budget
   (BUDGET of the training time): tau = C / BUDGET, half of it redone on average;
 - the goodput projection of bench/goodput.py redone with each method's measured C and R (the failure to
@@ -110,8 +111,7 @@ class MemoryWatch:
                 with contextlib.suppress(psutil.Error):
                     root = psutil.Process(agent.pid)
                     for p in [root, *root.children(recursive=True)]:
-                        with contextlib.suppress(psutil.Error):
-                            total += p.memory_info().rss
+                        total += anon_bytes(p.pid)
                 total += du(self.tier_dirs[i]) if i < len(self.tier_dirs) else 0
                 self.peak[i] = max(self.peak[i], total)
 
@@ -119,6 +119,16 @@ class MemoryWatch:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+def anon_bytes(pid: int) -> int:
+    """A process's resident anonymous memory (``RssAnon``): its own, not the files it maps (the tier's files
+    it sends are counted once, as the tier's bytes)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def du(path: Path) -> int:
