@@ -11,8 +11,8 @@ the server's authenticated answer, the files' bytes back to back, and a ``done``
 HMAC-SHA256 of each file under a key derived from the connection's session key. The keys come from the job
 secret as the control plane's do (with a label of their own), so a stranger can neither send nor fetch a
 file, and a replayed or altered byte fails its file's MAC; a part is moved into place only once every MAC
-verified. Sends are throttled to the tier's rate (:class:`Throttle`); the receiver checks its budget before
-it accepts a single byte.
+verified. Replicas are sent throttled to the tier's rate (:class:`Throttle`: training runs meanwhile),
+restores at full speed (the round waits for them); the receiver checks its budget before it accepts a byte.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,16 +71,19 @@ def safe_rel(rel: Any) -> str:
 
 
 class Throttle:
-    """At most ``rate`` bytes a second on average for every send of this agent (a token bucket of one
-    second's worth)."""
+    """At most ``rate`` bytes a second on average for the background sends of this agent (a token bucket of
+    one second's worth); held (:meth:`hold`) while a restore runs, which has the node's bandwidth first."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self._lock = threading.Lock()
         self._tokens = rate
         self._t = time.monotonic()
+        self._open = threading.Event()
+        self._open.set()
 
     def take(self, n: int) -> None:
+        self._open.wait()
         with self._lock:
             now = time.monotonic()
             self._tokens = min(self.rate, self._tokens + (now - self._t) * self.rate)
@@ -90,13 +93,22 @@ class Throttle:
         if wait > 0:
             time.sleep(wait)
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Background sends wait while the block runs."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
 
 def _file_mac(session: protocol.Session) -> hmac.HMAC:
     return hmac.new(session.derive("tier-file"), digestmod=hashlib.sha256)
 
 
 def send_files(
-    sock: socket.socket, files: Sequence[FileRef], session: protocol.Session, throttle: Throttle
+    sock: socket.socket, files: Sequence[FileRef], session: protocol.Session, throttle: Throttle | None
 ) -> list[str]:
     """Send the files' bytes (``sendfile``); their MACs, in order."""
     macs = []
@@ -112,7 +124,8 @@ def send_files(
                     view = memoryview(mm)
                     for off in range(0, size, CHUNK):
                         n = min(CHUNK, size - off)
-                        throttle.take(n)
+                        if throttle is not None:
+                            throttle.take(n)
                         mac.update(view[off : off + n])
                         sock.sendfile(fh, off, n)
                     view.release()
@@ -326,7 +339,8 @@ class DataServer:
         conn.sendall(session.encode({"t": "welcome", "ok": True, "files": [[f.rel, f.size] for f in files]}))
         if session.decode(protocol.recv_payload(conn)).get("t") != "go":
             return
-        macs = send_files(conn, files, session, self._throttle)
+        # A restore: the round waits for it and no training runs meanwhile, so it is not throttled.
+        macs = send_files(conn, files, session, None)
         conn.sendall(session.encode({"t": "done", "macs": macs}))
 
     def _serve_put(
