@@ -36,7 +36,7 @@ from hpcelastic.events import RestoreTier
 from hpcelastic.rundir import RunDir
 from hpcelastic.tier import channel, scan
 from hpcelastic.tier.book import HERE, PEER, PERSISTED
-from hpcelastic.tier.settings import MB, NodeTier, TierSettings, key
+from hpcelastic.tier.settings import MB, NodeTier, TierSettings, key, memory_left_after
 
 TIER_SUBDIR = "hpcelastic-tier"
 #: The checkpoint directory's hidden folder where each node's part is copied before the commit.
@@ -74,6 +74,7 @@ class LocalTier:
     ) -> None:
         self.settings = settings
         self.budget = node.budget
+        self.in_memory = node.in_memory
         self.base = node.root / TIER_SUBDIR
         self.live = self.base / "live"
         self.replicas = self.base / "replicas"
@@ -163,10 +164,12 @@ class LocalTier:
                 return None
             used = self.used() + self._reserved
         free = _free_bytes(self.base)
+        memory = memory_left_after(size) if self.in_memory else None
         why = (
             f"{what} ({_mb(size)} MB) does not fit {key('local_checkpoint_mb')}={self.budget // MB} on "
-            f"{self.host} ({_mb(used)} MB in use, {_mb(free)} MB free on the filesystem); raise it or lower "
-            f"{key('replicas')}/{key('keep')}"
+            f"{self.host} ({_mb(used)} MB in use, {_mb(free)} MB free on the filesystem"
+            + (f"; {memory}" if memory else "")
+            + f"); raise it, lower {key('replicas')}, or give the node more memory"
         )
         event = events.tier_refused(
             attempt=self.attempt, node=self.host, checkpoint=what, size=size, budget=self.budget, why=why
@@ -176,7 +179,9 @@ class LocalTier:
 
     def _fits(self, size: int) -> bool:
         used = self.used() + self._reserved
-        return used + size <= self.budget and size <= _free_bytes(self.base)
+        if used + size > self.budget or size > _free_bytes(self.base):
+            return False
+        return not (self.in_memory and memory_left_after(self._reserved + size))
 
     def _release(self, size: int) -> None:
         with self._lock:

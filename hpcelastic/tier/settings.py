@@ -45,6 +45,14 @@ NETWORK_FILESYSTEMS = frozenset(
     }
 )
 MB = 1 << 20
+#: Filesystems held in memory: their bytes count against the node's RAM, whatever their own size says.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+#: Without a budget, the tier may use half the local filesystem, and of a memory filesystem at most this
+#: share of the node's memory (the training needs the rest).
+DEFAULT_MEMORY_SHARE = 0.25
+#: A copy into a memory filesystem is refused when it would leave the node less available memory than this
+#: share of its total: the tier never drives the node into the out-of-memory killer.
+MEMORY_RESERVE = 0.10
 
 
 def key(name: str) -> str:
@@ -178,6 +186,34 @@ class NodeTier:
     budget: int
     fstype: str
 
+    @property
+    def in_memory(self) -> bool:
+        return self.fstype in MEMORY_FILESYSTEMS
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (``MemTotal``, ``MemAvailable``, ...); empty when unreadable."""
+    out = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, value = line.split(":", 1)
+            out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def memory_left_after(size: int) -> str | None:
+    """Why ``size`` more bytes in a memory filesystem would put the node at risk of the out-of-memory killer
+    (less than :data:`MEMORY_RESERVE` of its memory available afterwards), or None."""
+    info = meminfo()
+    total, available = info.get("MemTotal"), info.get("MemAvailable")
+    if not total or available is None:
+        return None
+    if available - size >= int(total * MEMORY_RESERVE):
+        return None
+    return (
+        f"the node would have {max(0, available - size) // MB} MB of memory available, less than its reserve"
+    )
+
 
 def check_node(settings: TierSettings, root: Path, run_dir: Path, checkpoint_bytes: int = 0) -> NodeTier:
     """This node's local directory and budget, or a one-line :class:`UserError` naming the setting.
@@ -185,7 +221,8 @@ def check_node(settings: TierSettings, root: Path, run_dir: Path, checkpoint_byt
     Refused: a directory whose parent does not exist or cannot be written, one on the filesystem of the run
     directory (the same device) or on a network filesystem, a budget above the filesystem's size, and a
     budget smaller than ``checkpoint_bytes`` (the checkpoint the job resumes from). Without a budget the
-    tier may use half the local filesystem.
+    tier may use half the local filesystem, and of a memory filesystem (``/dev/shm``) at most
+    :data:`DEFAULT_MEMORY_SHARE` of the node's memory.
     """
     name = key("local_checkpoint_dir")
     parent = existing_parent(root)
@@ -208,6 +245,9 @@ def check_node(settings: TierSettings, root: Path, run_dir: Path, checkpoint_byt
     size = st.f_blocks * st.f_frsize
     mb = settings.local_checkpoint_mb
     budget = size // 2 if mb is None else mb * MB
+    memory = meminfo().get("MemTotal")
+    if mb is None and fstype in MEMORY_FILESYSTEMS and memory:
+        budget = min(budget, int(memory * DEFAULT_MEMORY_SHARE))
     if mb is not None and budget > size:
         raise UserError(
             f"{key('local_checkpoint_mb')}={mb} is more than {fstype or 'the'} filesystem of {parent} holds "

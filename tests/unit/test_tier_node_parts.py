@@ -238,3 +238,16 @@ def test_a_node_refuses_a_missing_directory_the_shared_filesystem_and_a_budget_t
     huge = TierSettings("/dev/shm/x", local_checkpoint_mb=1 << 40)
     with pytest.raises(UserError, match=r"checkpoint_tier.local_checkpoint_mb=\d+ is more than tmpfs"):
         check_node(huge, shm, run)
+
+
+def test_memory_filesystems_are_checked_against_the_nodes_memory(tmp_path: Path) -> None:
+    from hpcelastic.tier.settings import DEFAULT_MEMORY_SHARE, memory_left_after, meminfo
+
+    info = meminfo()
+    assert memory_left_after(1) is None
+    why = memory_left_after(info["MemAvailable"])  # everything available: below the reserve afterwards
+    assert why is not None and "less than its reserve" in why
+    run = tmp_path / "run"
+    run.mkdir()
+    node = check_node(TierSettings("/dev/shm/t22-mem-{node}"), Path("/dev/shm/t22-mem-n0"), run)
+    assert node.in_memory and node.budget <= info["MemTotal"] * DEFAULT_MEMORY_SHARE
