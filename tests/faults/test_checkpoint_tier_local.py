@@ -121,7 +121,7 @@ def test_a_script_that_publishes_resumes_from_memory_and_its_persisted_copy_is_p
         agent_args=("--rdzv-timeout", "30", "--grace-period", "10"),
         program=(
             str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out"),
-            "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "13",
+            "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "16",
         ),
     )  # fmt: skip
     run_dir, agents = start_agents(spec)
@@ -129,12 +129,13 @@ def test_a_script_that_publishes_resumes_from_memory_and_its_persisted_copy_is_p
     log = list(RunDir(run_dir.path).events())
     assert codes == [0, 0], (codes, log[-5:])
     (restored, *_) = [e for e in log if e["event"] == ev.TIER_RESTORED and e["round"] == 1]
-    assert restored["tier"] == "local" and restored["checkpoint"] == "step-000010.pt", restored
+    (crash,) = [e for e in log if e["event"] == ev.WORKER_FAILED]
+    complete = [e for e in log if e["event"] == ev.TIER_CHECKPOINT and e["ts"] < crash["ts"]]
+    newest = max(complete, key=lambda e: e["step"])  # the newest complete when the worker died
+    assert restored["tier"] == "local" and restored["checkpoint"] == newest["checkpoint"], (restored, newest)
     rank0 = RunDir(run_dir.path).rank_log_path(0, 0).read_text()
-    assert (
-        f"resuming from /dev/shm/hpce22-pub-{tmp_path.name}-local0/hpcelastic-tier/live/step-000010.pt"
-        in rank0
-    )
+    live = f"/dev/shm/hpce22-pub-{tmp_path.name}-local0/hpcelastic-tier/live"
+    assert f"resuming from {live}/{newest['checkpoint']}" in rank0
     published = handoff.load(run_dir.path).checkpoint
     assert published is not None and published["path"] == str(run_dir.path / "checkpoints" / "step-000020.pt")
     assert Path(published["path"]).is_file() and published["step"] == steps
