@@ -24,7 +24,13 @@ RUNS runs:
 The shared directory is the run directory's filesystem on this machine's disk (DCP's ``save`` syncs every
 file it writes). Writes the ``checkpoint_tiers`` section of bench/RESULTS.md.
 
-    python bench/checkpoint_tiers.py [--nodes 2] [--mb 1024] [--runs 3]
+Memory: every emulated node (and the spare) shares this machine's RAM. A node holds its state, DCP's staging
+copy with ``async_save``, and up to two checkpoints' worth of its own files and its peer's in ``/dev/shm``:
+about 6-8x its state at the peak. With 1 GB per node the three processes of a node-loss run with
+``async_save`` went past this 23 GB machine (shared with other sessions) and the kernel killed a worker, so
+the default is 512 MB; ``--mb 1024`` where the machine has room.
+
+    python bench/checkpoint_tiers.py [--nodes 2] [--mb 512] [--runs 3]
 """
 
 from __future__ import annotations
@@ -342,7 +348,7 @@ def summarize(samples: list[Sample], nodes: int, mb: int, runs: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--mb", type=int, default=1024, help="state per node, MB")
+    ap.add_argument("--mb", type=int, default=512, help="state per node, MB (see the module docstring)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
