@@ -3,13 +3,14 @@
 
 ``reference_train.py --plain --bare`` never imports hpcelastic (no handler for the stop signal): it
 saves into ``{checkpoint_dir}`` (the node's ``/dev/shm`` directory under the tier) and resumes from the
-newest checkpoint it finds there. Each emulated
-node's tier has a path of its own (``/dev/shm/hpce22-JOB-NODE``). One DCP job takes a worker crash
+newest checkpoint it finds there. Each emulated node's tier has a path of its own
+(``/dev/shm/hpce22-JOB-NODE``). One DCP job takes a worker crash
 (restored from each node's own memory), a node killed during a save (the torn save is never restored; the
 lost node's files come from its peer's replica onto the spare), and a crash that spends the restart budget
 (requeued: restored from the persisted tier); one ``torch.save`` job takes a crash during a direct save (the
-torn file is cleared away, the previous checkpoint restored) and a stop signal (the last checkpoint is
-persisted within the grace period, the requeued job restores it). Every run ends with the fault-free model.
+torn file is cleared away, the previous checkpoint restored), a node death (the spare gets rank 0's file from
+its peer) and a stop signal (the last checkpoint is persisted within the grace period, the requeued job
+restores it). Every run ends with the fault-free model.
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def complete(run: Path, attempt: int, round: int, step: int) -> dict[str, Any] |
     return None
 
 
+def replicated(run: Path, attempt: int, step: int) -> dict[str, Any] | None:
+    """The ``tier_replicated`` of a checkpoint of at least ``step`` in ``attempt``."""
+    for e in named(events(run), "tier_replicated"):
+        if e["attempt"] == attempt and (e["step"] or 0) >= step:
+            return e
+    return None
+
+
 def kill_worker(run: Path, attempt: int, rank: int) -> None:
     """SIGKILL the worker of ``rank`` (a crash, as a segfault or the OOM killer makes one): the process its
     rank log's last header names (a warm worker's ``/proc/PID/environ`` is its fork server's)."""
@@ -159,8 +168,7 @@ def test_dcp_job_restores_from_memory_then_a_peer_replica_then_the_persisted_tie
         rec = job_record(tb, job)
         nodes = tb.slurm("scontrol", "show", "hostnames", rec["NodeList"]).split()
         victim = nodes[1]  # node rank 1: position 1 of the round (the batch host is position 0)
-        replica = SHM / f"hpce22-{job}-{nodes[0]}" / "hpcelastic-tier" / "replicas" / "1" / done["checkpoint"]
-        wait_for("its replica on the peer", replica.is_dir, tb, job)
+        wait_for("its replicas", lambda: replicated(run, 0, done["step"]), tb, job)
         saving = SHM / f"hpce22-{job}-{victim}" / "hpcelastic-tier" / "live" / "step-000030"
         wait_for("the save of step 30 under way", saving.is_dir, tb, job)
         tb.kill_node(victim)
@@ -200,25 +208,40 @@ def test_dcp_job_restores_from_memory_then_a_peer_replica_then_the_persisted_tie
     assert not list(SHM.glob(f"hpce22-{job}-*"))
 
 
-def test_torch_save_job_clears_a_torn_save_and_persists_the_last_checkpoint_at_a_stop_signal(
+def test_torch_save_job_clears_a_torn_save_restores_a_spare_and_persists_at_a_stop_signal(
     tb: Testbed, tmp_path: Path
 ) -> None:
     job, run = submit(
         tb, tmp_path, {"persist_every": 1000},  # nothing persisted in the background: only at the stop
-        ["--nodes", "2", "--max-restarts", "2"],
+        ["--nodes", "2", "--spare-nodes", "1", "--max-restarts", "2"],
         ["--bare", "--direct-save", "--fault", "ckpt-crash", "--fault-step", "15", "--fault-rank", "0"],
     )  # fmt: skip
+    killed: list[str] = []
     try:
         # 1. Rank 0 dies halfway through torch.save(step-15.pt): the torn file is cleared, step 10 restored.
         r1 = wait_for(
             "round 1's restores", lambda: len(restores(run, 0, 1)) == 2 and restores(run, 0, 1), tb, job
         )
         assert {(e["tier"], e["checkpoint"]) for e in r1.values()} == {("local", "step-000010.pt")}, r1
-        # 2. A stop signal (plain scancel --signal): the last checkpoint is persisted within the grace.
-        wait_for("step 30 complete", lambda: complete(run, 0, 1, 30), tb, job)
+        # 2. The other node dies whole: the spare gets rank 0's file (the whole checkpoint) from its peer.
+        done = wait_for("step 20 replicated", lambda: replicated(run, 0, 20), tb, job)
+        nodes = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()
+        tb.kill_node(nodes[1])
+        killed.append(nodes[1])
+        r2 = wait_for(
+            "round 2's restores", lambda: len(restores(run, 0, 2)) == 2 and restores(run, 0, 2), tb, job
+        )
+        assert r2[nodes[2]]["tier"] == "peer" and r2[nodes[2]]["peers"] == ["0"], r2
+        assert r2[nodes[0]]["tier"] == "local", r2
+        assert len({e["checkpoint"] for e in r2.values()}) == 1, r2
+        assert all(e["step"] >= done["step"] for e in r2.values()), (r2, done)
+        # 3. A stop signal (plain scancel --signal): the last checkpoint is persisted within the grace.
+        wait_for("step 40 complete", lambda: complete(run, 0, 2, 40), tb, job)
         tb.slurm("scancel", "--signal=USR2", job)
         rec = wait_ended(tb, job)
     finally:
+        for node in killed:
+            tb.revive_node(node)
         clean_shm(job)
     assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
     evs = events(run)
@@ -227,11 +250,11 @@ def test_torch_save_job_clears_a_torn_save_and_persists_the_last_checkpoint_at_a
     last = max((e for e in named(first, "tier_checkpoint")), key=lambda e: e["step"])
     (persisted,) = named(first, "tier_persisted")
     assert persisted["stop"] and persisted["checkpoint"] == last["checkpoint"], persisted
-    assert 30 <= persisted["step"] < STEPS, persisted  # the workers were stopped, not finished
+    assert 40 <= persisted["step"] < STEPS, persisted  # the workers were stopped, not finished
     assert persisted["ts"] - signalled["ts"] < 20, (persisted, signalled)  # testbed grace_period: 20 s
     assert [(e["attempt"], e["reason"]) for e in named(evs, "attempt_ended")][0] == (0, "preempted")
-    r2 = {e["node"]: e for e in named(evs, "tier_restored") if e["attempt"] == 1 and e["round"] == 0}
-    assert {(e["tier"], e["checkpoint"]) for e in r2.values()} == {("persisted", last["checkpoint"])}, r2
+    r3 = {e["node"]: e for e in named(evs, "tier_restored") if e["attempt"] == 1 and e["round"] == 0}
+    assert {(e["tier"], e["checkpoint"]) for e in r3.values()} == {("persisted", last["checkpoint"])}, r3
     torn = [
         e for e in named(first, "tier_checkpoint") if e["round"] == 0 and e["checkpoint"] == "step-000015.pt"
     ]
