@@ -176,3 +176,38 @@ def test_older_copies_go_only_once_a_newer_checkpoint_has_its_replicas(tmp_path:
         assert sorted(p.name for p in replicas.iterdir()) == ["step-10.pt"]
     finally:
         tier.close()
+
+
+def test_with_replica_groups_a_restarted_group_heals_from_its_peer_and_restores_nothing(
+    tmp_path: Path,
+) -> None:
+    """torchft replica groups with the tier: group 1's crash restarts group 1 alone, which heals from group 0
+    (torchft) and restores nothing from the tier; the checkpoints the groups publish are complete, and the
+    last one is persisted and published at the end."""
+    import subprocess
+
+    from hpcelastic import handoff
+    from tests.replica_checks import check_group_restart, train_args
+
+    pytest.importorskip("torchft")
+    steps = 60
+    out = tmp_path / "out"
+    out.mkdir()
+    run = tmp_path / "run"
+    tier = TierSettings(f"/dev/shm/hpce22-rg-{tmp_path.name}-{{node}}").to_text()
+    cmd = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "2", "--nproc-per-node", "2"]
+    cmd += ["--replica-groups", "2", "--run-dir", str(run), "--rdzv-timeout", "60", "--local-tier", tier]
+    cmd += train_args(out, steps=steps, crash_at=10)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = RunDir(run).events()
+    check_group_restart(out, log, steps=steps)
+    restarted = [e for e in log if e["event"] == ev.REPLICA_GROUP_RESTARTING]
+    assert [e["group"] for e in restarted] == [1]
+    restored = [e for e in log if e["event"] == ev.TIER_RESTORED and e["checkpoint"]]
+    assert restored == [], restored  # torchft healed group 1 from group 0's live state
+    assert [e for e in log if e["event"] == ev.TIER_CHECKPOINT]
+    published = handoff.load(run).checkpoint
+    assert published is not None and Path(published["path"]).parent == run / "checkpoints"
+    assert published["step"] == steps
+    assert not list(Path("/dev/shm").glob(f"hpce22-rg-{tmp_path.name}-*"))
