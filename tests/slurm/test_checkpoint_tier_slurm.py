@@ -49,13 +49,18 @@ def tb() -> Iterator[Testbed]:
 
 
 def submit(
-    tb: Testbed, tmp_path: Path, tier: dict[str, Any], flags: list[str], script: list[str]
+    tb: Testbed,
+    tmp_path: Path,
+    tier: dict[str, Any],
+    flags: list[str],
+    script: list[str],
+    template: str = TEMPLATE,
 ) -> tuple[str, Path]:
     """Submit the unchanged reference script (``script``: its extra flags) with the tier's settings in a user
     config file."""
     config = tmp_path / "config" / "hpcelastic" / "config.yaml"
     config.parent.mkdir(parents=True)
-    config.write_text(json.dumps({"checkpoint_tier": {"local_checkpoint_dir": TEMPLATE, **tier}}))
+    config.write_text(json.dumps({"checkpoint_tier": {"local_checkpoint_dir": template, **tier}}))
     run = tmp_path / "run"
     argv = [
         sys.executable,
@@ -218,11 +223,16 @@ def test_torch_save_job_clears_a_torn_save_restores_a_spare_and_persists_at_a_st
     )  # fmt: skip
     killed: list[str] = []
     try:
-        # 1. Rank 0 dies halfway through torch.save(step-15.pt): the torn file is cleared, step 10 restored.
+        # 1. Rank 0 dies halfway through torch.save(step-15.pt): the torn file is cleared, and the newest
+        # checkpoint complete when it died (step 10, or 5 when the machine is slow) is restored.
         r1 = wait_for(
             "round 1's restores", lambda: len(restores(run, 0, 1)) == 2 and restores(run, 0, 1), tb, job
         )
-        assert {(e["tier"], e["checkpoint"]) for e in r1.values()} == {("local", "step-000010.pt")}, r1
+        (crash,) = named(events(run), "worker_failed")
+        before = [e for e in named(events(run), "tier_checkpoint") if e["ts"] < crash["ts"]]
+        newest = max(before, key=lambda e: e["step"])["checkpoint"]
+        assert {(e["tier"], e["checkpoint"]) for e in r1.values()} == {("local", newest)}, r1
+        assert newest in ("step-000005.pt", "step-000010.pt"), newest
         # 2. The other node dies whole: the spare gets rank 0's file (the whole checkpoint) from its peer.
         done = wait_for("step 20 replicated", lambda: replicated(run, 0, 20), tb, job)
         nodes = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()
@@ -262,3 +272,23 @@ def test_torch_save_job_clears_a_torn_save_restores_a_spare_and_persists_at_a_st
     assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(STEPS)
     assert not wait_no_leaks(str(run))
     assert not list(SHM.glob(f"hpce22-{job}-*"))
+
+
+def test_a_local_directory_on_the_shared_filesystem_is_refused_at_start_in_one_line(
+    tb: Testbed, tmp_path: Path
+) -> None:
+    """The tier's directory on the run directory's filesystem: every node refuses it before the rendezvous
+    with one line naming the setting (the coordinator's node also publishes it for agents that wait), exit 2;
+    the attempt is a start-up failure (not requeued), and no tier directory is left on any node."""
+    template = str(tmp_path / "local-{job}-{node}")
+    job, run = submit(tb, tmp_path, {}, ["--nodes", "2"], ["--bare"], template=template)
+    rec = wait_ended(tb, job, 120)
+    assert rec["JobState"] == "FAILED" and rec["Restarts"] == "0", rec
+    (end,) = named(events(run), "attempt_ended")
+    assert end["reason"] == "startup_failure", end
+    log = "\n".join(p.read_text() for p in run.glob("slurm-*.out"))
+    for node in ("ckpttier1", "ckpttier2"):  # each node checks its own directory before the rendezvous
+        line = "checkpoint_tier.local_checkpoint_dir: " + template.format(job=job, node=node)
+        assert f"hpcelastic: error: {line} is on the same filesystem as the run directory {run};" in log, log
+    assert "Traceback" not in log, log[-3000:]
+    assert not list(tmp_path.glob("local-*"))
