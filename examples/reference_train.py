@@ -14,7 +14,10 @@ and however often the run is interrupted, because:
 
 It runs unchanged under torchrun, ``hpcelastic run`` and ``hpcelastic agent``. With ``--plain`` it is
 an unchanged torchrun script: it does not use ``hpcelastic.worker`` at all (no heartbeat, no published
-checkpoint, no stop request), saves into ``--ckpt-dir`` and resumes from the newest file there itself.
+checkpoint, no stop request), saves into ``--ckpt-dir`` and resumes from the newest file there itself:
+``--format pt`` (rank 0's ``torch.save``, through a temporary file unless ``--direct-save``) or
+``--format dcp`` (every rank, ``torch.distributed.checkpoint`` directories, the newest with a
+``.metadata`` resumed).
 Fault injection (for the tests) is driven by ``--fault`` and fires only in the chosen
 attempt and restart round, so the recovered run can finish.
 
@@ -32,11 +35,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpcelastic import worker
+worker: Any = None  # hpcelastic.worker, imported in main() unless --bare
 
 GLOBAL_BATCH = 24  # divisible by every world size the tests use (1, 2, 3, 4, 6, 8, 12)
 IN, HIDDEN, OUT = 8, 16, 1
@@ -51,6 +55,7 @@ FAULTS = (
     "kill-agent",
     "startup",
     "init",
+    "slow-save",
 )
 
 
@@ -64,6 +69,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="where rank 0 writes final.json (default: checkpoint dir)")
     p.add_argument("--plain", action="store_true", help="an unchanged script: no hpcelastic.worker calls")
     p.add_argument("--ckpt-dir", default=None, help="with --plain: where checkpoints are saved and found")
+    p.add_argument(
+        "--bare",
+        action="store_true",
+        help="with --plain: do not even import hpcelastic (its import installs a handler for the stop "
+        "signal; a script that never heard of hpcelastic has none, and its agent stops it when not saving)",
+    )
+    p.add_argument(
+        "--format", choices=("pt", "dcp"), default="pt", help="with --plain: how checkpoints are saved"
+    )
+    p.add_argument("--direct-save", action="store_true", help="torch.save straight to the file (no rename)")
+    p.add_argument("--save-delay", type=float, default=3.0, help="seconds a slow-save fault stalls the save")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-step", type=int, default=10)
     p.add_argument("--fault-rank", default="1", help="rank(s) that inject the fault, e.g. 1 or 1,3")
@@ -78,7 +94,7 @@ def fault_armed(args: argparse.Namespace, rank: int) -> bool:
     return (
         args.fault != "none"
         and rank in {int(r) for r in str(args.fault_rank).split(",")}
-        and args.fault_attempt in (-1, worker.attempt())
+        and args.fault_attempt in (-1, int(os.environ.get("HPCELASTIC_ATTEMPT", "0") or 0))
         and args.fault_restart in (-1, restart)
     )
 
@@ -148,16 +164,89 @@ def save_checkpoint(path: Path, model: torch.nn.Module, momentum: list[torch.Ten
     os.replace(tmp, path)
 
 
-def newest_checkpoint(ckpt_dir: Path) -> Path | None:
-    """What an unchanged script resumes from: the newest complete ``step-*.pt`` it saved itself."""
-    found = sorted(ckpt_dir.glob("step-*.pt"))
+def newest_checkpoint(ckpt_dir: Path, fmt: str = "pt") -> Path | None:
+    """What an unchanged script resumes from: the newest ``step-*.pt`` it saved itself, or the newest DCP
+    directory with its ``.metadata``."""
+    if fmt == "dcp":
+        found = sorted(p for p in ckpt_dir.glob("step-*") if (p / ".metadata").exists())
+    else:
+        found = sorted(ckpt_dir.glob("step-*.pt"))
     return found[-1] if found else None
 
 
+class SlowFile:
+    """A file that stalls for ``delay`` seconds after its first write (a slow filesystem), for the
+    slow-save fault: the save is in progress, its file open for writing, while the test acts."""
+
+    def __init__(self, path: Path, delay: float) -> None:
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._delay = delay
+
+    def write(self, data: bytes) -> int:
+        n = self._f.write(data)
+        if self._delay:
+            self._f.flush()
+            time.sleep(self._delay)
+            self._delay = 0.0
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def save_direct(path: Path, state: dict, delay: float) -> None:
+    """``torch.save`` straight to ``path`` (an unchanged script's habit), slowly with ``delay``."""
+    f = SlowFile(path, delay)
+    try:
+        torch.save(state, f)
+    finally:
+        f.close()
+
+
+def dcp_state(model: torch.nn.Module, momentum: list[torch.Tensor], step: int) -> dict:
+    return {
+        "model": model.state_dict(),
+        "momentum": {f"m{i}": m for i, m in enumerate(momentum)},
+        "step": torch.tensor([step]),
+    }
+
+
+def save_dcp(path: Path, state: dict, delay: float) -> None:
+    """Every rank writes its share of ``state`` into the DCP directory ``path``; rank 0 writes ``.metadata``
+    last. ``delay``: each rank's writes stall that long first (a slow filesystem)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class SlowWriter(FileSystemWriter):
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            time.sleep(delay)
+            return super().write_data(plan, planner)
+
+    writer = SlowWriter(str(path)) if delay else FileSystemWriter(str(path))
+    dcp.save(state, storage_writer=writer)
+
+
+def load_dcp(path: Path, model: torch.nn.Module, momentum: list[torch.Tensor]) -> int:
+    import torch.distributed.checkpoint as dcp
+
+    state = dcp_state(model, momentum, 0)
+    dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])
+    return int(state["step"].item())
+
+
 def main(argv: list[str]) -> int:
+    global worker
     args = parse_args(argv)
     if args.plain and not args.ckpt_dir:
         raise SystemExit("--plain needs --ckpt-dir")
+    if args.bare and not args.plain:
+        raise SystemExit("--bare needs --plain")
+    if not args.bare:
+        from hpcelastic import worker
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if args.fault == "startup" and fault_armed(args, rank):
         raise ImportError("injected start-up failure: no module named 'missing_dependency'")
@@ -171,8 +260,11 @@ def main(argv: list[str]) -> int:
     start = 0
     ckpt_dir = Path(args.ckpt_dir) if args.plain else Path(worker.checkpoint_dir())
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    resume = newest_checkpoint(ckpt_dir) if args.plain else worker.resume_path()
-    if resume:
+    resume = newest_checkpoint(ckpt_dir, args.format) if args.plain else worker.resume_path()
+    if resume and args.plain and args.format == "dcp":
+        start = load_dcp(Path(resume), model, momentum)
+        print(f"resuming from {resume} at step {start}", flush=True)
+    elif resume:
         state = torch.load(resume, weights_only=True)
         model.load_state_dict(state["model"])
         momentum = state["momentum"]
@@ -212,12 +304,21 @@ def main(argv: list[str]) -> int:
         dist.all_reduce(stop_flag, op=dist.ReduceOp.MAX)
         stop = bool(stop_flag.item())
         if done % args.ckpt_every == 0 or done == args.steps or stop:
-            if rank == 0:
+            slow = args.fault == "slow-save" and done == args.fault_step and fault_armed(args, rank)
+            delay = args.save_delay if slow else 0.0
+            if args.plain and args.format == "dcp":
+                save_dcp(ckpt_dir / f"step-{done:06d}", dcp_state(model, momentum, done), delay)
+            elif rank == 0:
                 path = ckpt_dir / f"step-{done:06d}.pt"
                 if args.fault == "ckpt-crash" and done == args.fault_step and fault_armed(args, 0):
-                    path.with_name(path.name + ".tmp").write_bytes(b"torn")  # half-written, never published
+                    torn = path if args.direct_save else path.with_name(path.name + ".tmp")
+                    torn.write_bytes(b"PK\x03\x04torn")  # half-written, never published
                     os._exit(15)
-                save_checkpoint(path, model, momentum, done)
+                state = {"model": model.state_dict(), "momentum": momentum, "step": done}
+                if args.direct_save:
+                    save_direct(path, state, delay)
+                else:
+                    save_checkpoint(path, model, momentum, done)
                 if not args.plain:
                     worker.publish_checkpoint(path, done)
             dist.barrier()

@@ -51,6 +51,12 @@ class EventName(Named):
     STOP_IGNORED = "stop_ignored"
     CHECKPOINT_OPENED = "checkpoint_opened"
     AGENT_STOPPED = "agent_stopped"
+    TIER_CHECKPOINT = "tier_checkpoint"
+    TIER_REPLICATED = "tier_replicated"
+    TIER_PERSISTED = "tier_persisted"
+    TIER_PERSIST_MISSED = "tier_persist_missed"
+    TIER_RESTORED = "tier_restored"
+    TIER_REFUSED = "tier_refused"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -82,6 +88,12 @@ REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
 CHECKPOINT_OPENED = EventName.CHECKPOINT_OPENED
 AGENT_STOPPED = EventName.AGENT_STOPPED
+TIER_CHECKPOINT = EventName.TIER_CHECKPOINT
+TIER_REPLICATED = EventName.TIER_REPLICATED
+TIER_PERSISTED = EventName.TIER_PERSISTED
+TIER_PERSIST_MISSED = EventName.TIER_PERSIST_MISSED
+TIER_RESTORED = EventName.TIER_RESTORED
+TIER_REFUSED = EventName.TIER_REFUSED
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -496,4 +508,109 @@ def stop_ignored(*, attempt: int, round: int, rank: int, node_rank: int, step: i
         node_rank=node_rank,
         step=step,
         stop_step=stop_step,
+    )
+
+
+# ---- the local checkpoint tier (hpcelastic/tier/) -----------------------------------------------
+class RestoreTier(Named):
+    """Where a node's restore came from, nearest first: its own memory (``local``), a peer node's copy
+    (``peer``), the checkpoint directory on the shared filesystem (``persisted``); ``none``: nothing
+    complete to restore (the directory is cleared of torn files and the script starts from scratch)."""
+
+    LOCAL = "local"
+    PEER = "peer"
+    PERSISTED = "persisted"
+    NONE = "none"
+
+
+def _seconds(value: float) -> float:
+    return round(value, 3)
+
+
+def tier_checkpoint(
+    *, attempt: int, round: int, checkpoint: str, step: int | None, size: int, parts: int
+) -> Event:
+    """``checkpoint`` is complete on every node of ``round``: ``size`` bytes, ``parts`` nodes' files."""
+    return _event(
+        TIER_CHECKPOINT,
+        attempt=attempt,
+        round=round,
+        checkpoint=checkpoint,
+        step=step,
+        size=size,
+        parts=parts,
+    )
+
+
+def tier_replicated(
+    *, attempt: int, checkpoint: str, step: int | None, replicas: int, duration_s: float
+) -> Event:
+    """Every node's files of ``checkpoint`` have ``replicas`` copies on other nodes, ``duration_s`` after it
+    was complete: a node's death loses none of it, and older local copies may go."""
+    return _event(
+        TIER_REPLICATED,
+        attempt=attempt,
+        checkpoint=checkpoint,
+        step=step,
+        replicas=replicas,
+        duration_s=_seconds(duration_s),
+    )
+
+
+def tier_persisted(
+    *, attempt: int, checkpoint: str, step: int | None, path: str, size: int, duration_s: float, stop: bool
+) -> Event:
+    """Every node's files of ``checkpoint`` reached the checkpoint directory (``path``, published in the
+    handoff), ``duration_s`` after it was complete; ``stop``: at a stop signal or the end of the workers."""
+    return _event(
+        TIER_PERSISTED,
+        attempt=attempt,
+        checkpoint=checkpoint,
+        step=step,
+        path=path,
+        size=size,
+        duration_s=_seconds(duration_s),
+        stop=stop,
+    )
+
+
+def tier_persist_missed(*, attempt: int, checkpoint: str, step: int | None, why: str) -> Event:
+    """The job's last checkpoint could not be persisted before the attempt ended (``why``)."""
+    return _event(TIER_PERSIST_MISSED, attempt=attempt, checkpoint=checkpoint, step=step, why=why)
+
+
+def tier_restored(
+    *,
+    attempt: int,
+    round: int,
+    node: str,
+    node_rank: int,
+    checkpoint: str,
+    step: int | None,
+    tier: RestoreTier,
+    peers: Sequence[str],
+    size: int,
+    duration_s: float,
+) -> Event:
+    """Before ``round``'s workers started, ``node`` restored ``checkpoint`` from ``tier`` (the farthest
+    source of its parts; ``peers``: the nodes it fetched from), ``size`` bytes copied, in ``duration_s``."""
+    return _event(
+        TIER_RESTORED,
+        attempt=attempt,
+        round=round,
+        node=node,
+        node_rank=node_rank,
+        checkpoint=checkpoint,
+        step=step,
+        tier=tier,
+        peers=list(peers),
+        size=size,
+        duration_s=_seconds(duration_s),
+    )
+
+
+def tier_refused(*, attempt: int, node: str, checkpoint: str, size: int, budget: int, why: str) -> Event:
+    """A copy of ``checkpoint`` (``size`` bytes) did not fit ``node``'s tier (``budget`` bytes): ``why``."""
+    return _event(
+        TIER_REFUSED, attempt=attempt, node=node, checkpoint=checkpoint, size=size, budget=budget, why=why
     )

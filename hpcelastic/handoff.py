@@ -27,6 +27,7 @@ from hpcelastic.rundir import RunDir, write_json_atomic
 VERSION = 1
 LATEST_FILE = "hpcelastic-latest.json"
 RESUME_PLACEHOLDER = "{resume}"
+CHECKPOINT_DIR_PLACEHOLDER = "{checkpoint_dir}"
 
 
 @dataclass
@@ -330,6 +331,10 @@ def resume_path(run_dir: RunDir | str | os.PathLike[str]) -> str | None:
     return fallback
 
 
-def expand_resume(args: Sequence[str], resume: str | None) -> list[str]:
-    """Replace ``{resume}`` in the script's arguments with the handed-off path ("" when none)."""
-    return [a.replace(RESUME_PLACEHOLDER, resume or "") for a in args]
+def expand_args(args: Sequence[str], resume: str | None, checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Replace ``{resume}`` in the script's arguments with the handed-off path ("" when none) and
+    ``{checkpoint_dir}`` with the workers' checkpoint directory."""
+    return [
+        a.replace(RESUME_PLACEHOLDER, resume or "").replace(CHECKPOINT_DIR_PLACEHOLDER, str(checkpoint_dir))
+        for a in args
+    ]

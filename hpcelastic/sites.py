@@ -305,6 +305,58 @@ SCHEMA: dict[str, Key] = {
         "seconds workers get to checkpoint after the signal",
         check=_between(0, MAX_GRACE_PERIOD_S),
     ),
+    "checkpoint_tier.local_checkpoint_dir": Key(
+        str,
+        None,
+        "node-local directory for checkpoints (/dev/shm or a local disk; {node}, {job}, {user} are "
+        "replaced): set, workers save there, the agents replicate each checkpoint to peer nodes and "
+        "persist it to the checkpoint directory in the background",
+        option="Node-local checkpoint directory (turns the local tier on).",
+    ),
+    "checkpoint_tier.local_checkpoint_mb": Key(
+        int,
+        None,
+        "the tier's size per node in MB (own checkpoints + peers' replicas + a restore); default: half "
+        "the local filesystem",
+        check=_at_least(1),
+        option="Local checkpoint tier size per node, MB.",
+    ),
+    "checkpoint_tier.replicas": Key(
+        int,
+        1,
+        "peer nodes that hold a copy of each node's part of a checkpoint",
+        check=_at_least(0),
+        nullable=False,
+    ),
+    "checkpoint_tier.persist_every": Key(
+        int,
+        1,
+        "persist every M-th complete checkpoint to the checkpoint directory (the last one always, at a stop)",
+        check=_at_least(1),
+        nullable=False,
+    ),
+    "checkpoint_tier.keep": Key(
+        int,
+        1,
+        "complete checkpoints each node keeps (an older one goes only once a newer one has its replicas)",
+        check=_at_least(1),
+        nullable=False,
+    ),
+    "checkpoint_tier.replication_mb_s": Key(
+        int,
+        1000,
+        "the most MB a second each node sends to its peers and the shared directory (training traffic first)",
+        check=_at_least(1),
+        nullable=False,
+    ),
+    "checkpoint_tier.restore": Key(
+        str,
+        "all",
+        "what a node restores: 'all' (every node's files of the checkpoint: DCP, a file rank 0 saved, a "
+        "changed world size) or 'own' (its own files only: each rank loads what it saved)",
+        nullable=False,
+        choices=("all", "own"),
+    ),
 }
 
 

@@ -176,6 +176,16 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
         f"{e.get('path')}; using {e.get('fallback')}",
     ),
     events.CHECKPOINT_REJECTED: lambda e: ("checkpoint rejected", f"{e.get('path')}: {e.get('why')}"),
+    events.TIER_PERSISTED: lambda e: (
+        ("last checkpoint persisted", f"{e.get('checkpoint')} (step {e.get('step')}) to {e.get('path')}")
+        if e.get("stop")
+        else None
+    ),
+    events.TIER_PERSIST_MISSED: lambda e: (
+        "last checkpoint NOT persisted",
+        f"{e.get('checkpoint')} (step {e.get('step')}): {e.get('why')}",
+    ),
+    events.TIER_REFUSED: lambda e: ("local checkpoint tier full", str(e.get("why"))),
 }
 #: Events with no row: each agent the step's stop stopped (one row per node of a large job) is the stop's.
 _QUIET = {
@@ -184,6 +194,8 @@ _QUIET = {
     events.PROGRESS,
     events.AGENT_STOPPED,
     events.CHECKPOINT_OPENED,
+    events.TIER_CHECKPOINT,
+    events.TIER_REPLICATED,
 }
 _KNOWN = {str(n) for n in EventName}
 
@@ -200,6 +212,28 @@ def _checkpoint_rows(batch: Sequence[Mapping[str, Any]]) -> Row:
         f"{len(batch)} checkpoints published",
         f"{steps}, latest {last.get('path')}",
         last["event"],
+    )
+
+
+def _restore_row(batch: Sequence[Mapping[str, Any]]) -> Row:
+    """One round's restores (one ``tier_restored`` per node): which checkpoint, and where each node got it."""
+    first = batch[0]
+    if not first.get("checkpoint"):
+        return Row(
+            first["ts"],
+            f"round {first.get('round')}: nothing to restore",
+            "no complete checkpoint in the local tier: the workers start from scratch",
+            first["event"],
+        )
+    where = []
+    for e in batch:
+        peers = f" (from node {','.join(e['peers'])})" if e.get("peers") else ""
+        where.append(f"{e.get('node')} from {e.get('tier')}{peers} in {e.get('duration_s')} s")
+    return Row(
+        first["ts"],
+        f"round {first.get('round')} restored",
+        f"{first.get('checkpoint')} (step {first.get('step')}): " + "; ".join(where),
+        first["event"],
     )
 
 
@@ -221,8 +255,21 @@ def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
     cancelled = any(e.get("event") == events.CANCELLED for e in log)
     rows: list[Row] = []
     batch: list[Mapping[str, Any]] = []
+    restores: list[Mapping[str, Any]] = []
     for e in log:
         kind = e.get("event")
+        if kind == events.TIER_RESTORED:
+            if restores and (restores[0].get("attempt"), restores[0].get("round")) != (
+                e.get("attempt"),
+                e.get("round"),
+            ):
+                rows.append(_restore_row(restores))
+                restores = []
+            restores.append(e)
+            continue
+        if restores:
+            rows.append(_restore_row(restores))
+            restores = []
         if kind == events.CHECKPOINT_PUBLISHED:
             batch.append(e)
             continue
@@ -241,6 +288,8 @@ def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
             rows.append(Row(float(e.get("ts", 0)), shown[0], shown[1], str(kind)))
     if batch:
         rows.append(_checkpoint_rows(batch))
+    if restores:
+        rows.append(_restore_row(restores))
     return rows
 
 

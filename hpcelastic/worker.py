@@ -40,6 +40,7 @@ ENV_RESUME_FROM = "HPCELASTIC_RESUME_FROM"
 ENV_HEARTBEAT_SOCKET = "HPCELASTIC_HEARTBEAT_SOCKET"
 ENV_STOP_FILE = "HPCELASTIC_STOP_FILE"
 ENV_STOP_SIGNAL = "HPCELASTIC_STOP_SIGNAL"
+ENV_CHECKPOINT_TIER = "HPCELASTIC_CHECKPOINT_TIER"
 DEFAULT_STOP_SIGNAL = "USR2"
 DEFAULT_CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -164,6 +165,12 @@ def publish_checkpoint(path: str | os.PathLike[str], step: int) -> None:
     from hpcelastic import handoff
 
     base = run_dir()
+    if base is not None and os.environ.get(ENV_CHECKPOINT_TIER):
+        from hpcelastic.tier.scan import write_publish_marker
+
+        # The local tier: the agent publishes the persisted copy once every node's files are there.
+        write_publish_marker(checkpoint_dir(), os.fspath(path), step)
+        return
     if base is not None:
         handoff.publish(base, checkpoint_dir(), path, step, attempt(), rank())
         return

@@ -16,6 +16,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from hpcelastic import handoff
@@ -36,6 +37,9 @@ from hpcelastic.lifecycle.attempt_end import Deferred, defer, end_attempt
 from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
+from hpcelastic.tier.book import TierBook
+from hpcelastic.tier.node import LocalTier, published_size
+from hpcelastic.tier.settings import NodeTier, check_node, key
 
 #: The agent's exit code when the run was cancelled before its attempt started (128 + SIGTERM).
 
@@ -48,6 +52,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     nproc = worker_count(spec, ctx)
     if cancelled_before_start(spec, ctx, env.environ):
         return EXIT_CANCELLED
+    node_tier = check_tier(spec, ctx)
     rdzv = env.rendezvous(ctx, spec.rdzv)
     run_dir = rdzv.run_dir
     attempt = begin_attempt(run_dir, ctx, env.environ)
@@ -59,6 +64,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     wake = Wake()
     stack.callback(wake.close)
     selector.register(wake.r, selectors.EVENT_READ, "wake")
+    checkpoint_dir = spec.checkpoint_dir or run_dir.path / "checkpoints"
+    tier = local_tier(spec, node_tier, ctx, rdzv, checkpoint_dir, attempt, stack)
     coordinator = (
         host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack, attempt=attempt)
         if ctx.is_coordinator
@@ -77,7 +84,13 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         probe_timeout=timing.probe_timeout,
     )
     stack.callback(client.close)
-    hello = messages.Hello(node_rank=ctx.node_rank, host=ctx.host, nproc=nproc, pid=os.getpid())
+    hello = messages.Hello(
+        node_rank=ctx.node_rank,
+        host=ctx.host,
+        nproc=nproc,
+        pid=os.getpid(),
+        data_port=tier.port if tier is not None else 0,
+    )
     try:
         client.connect(hello, timeout=spec.rdzv.timeout)
     except CoordinatorUnreachable as e:  # refusals included: they are not authenticated (issue 10)
@@ -90,8 +103,9 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     heartbeats.bind(hb_path)
     heartbeats.setblocking(False)
     selector.register(heartbeats, selectors.EVENT_READ, "hb")
-    checkpoint_dir = spec.checkpoint_dir or run_dir.path / "checkpoints"
     checkpoint_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if tier is not None:
+        tier.send = client.send
     stop_file = run_dir.path / f"stop-attempt-{attempt}"
     cfg = WorkerConfig(
         argv=spec.argv,
@@ -100,16 +114,19 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         run_dir=run_dir,
         attempt=attempt,
         run_id=ctx.job_id or run_dir.path.name,
-        checkpoint_dir=checkpoint_dir,
+        checkpoint_dir=tier.live if tier is not None else checkpoint_dir,
         heartbeat_socket=hb_path,
         stop_file=stop_file,
         stop_signal=spec.stop_signal.name.removeprefix("SIG"),
         environ=env.worker_environ(),
         node_rank=ctx.node_rank,
         console=spec.console,
+        local_tier=tier is not None,
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)
+    if tier is not None:
+        tier.clean_on_death(watchdog)
     group = WorkerGroup(cfg, selector, watchdog, forkserver=forkserver, cold_reason=cold_reason)
     stack.callback(group.stop, RESTART_KILL_GRACE)
     health = GpuHealth.open(ctx.nvml_gpu_ids)
@@ -130,9 +147,62 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         heartbeats=heartbeats,
         stop_file=stop_file,
         health=health,
+        tier=tier,
     )
     install_signals(rt, wake, stack)
     return rt
+
+
+def check_tier(spec: AgentSpec, ctx: NodeContext) -> NodeTier | None:
+    """This node's local checkpoint tier (``--local-tier``) checked before the rendezvous; None when off.
+
+    A setting this node refuses ends the agent with one line (exit 2); under Slurm the coordinator's node
+    publishes it as its start-up error first, so every agent ends at once and the job is not requeued.
+    """
+    settings = spec.local_tier
+    if settings is None:
+        return None
+    run_dir = spec.rdzv.run_dir
+    if run_dir is None or not run_dir.is_dir():
+        return None  # the rendezvous says what is wrong
+    root = settings.local_dir(ctx.host, ctx.job_id or run_dir.name)
+    try:
+        return check_node(settings, root, run_dir, published_size(RunDir(run_dir)))
+    except UserError as e:
+        if ctx.is_coordinator and ctx.job_id is not None:
+            path = slurm.coordinator_file(RunDir(run_dir), ctx.job_id, ctx.restart_count)
+            slurm.publish_coordinator(path, {"error": str(e), "node": ctx.host})
+        raise
+
+
+def local_tier(
+    spec: AgentSpec,
+    node: NodeTier | None,
+    ctx: NodeContext,
+    rdzv: Rendezvous,
+    checkpoint_dir: Path,
+    attempt: int,
+    stack: contextlib.ExitStack,
+) -> LocalTier | None:
+    """Set this node's tier up in the directory :func:`check_tier` accepted."""
+    if spec.local_tier is None or node is None:
+        return None
+    try:
+        tier = LocalTier(
+            spec.local_tier,
+            node,
+            run_dir=rdzv.run_dir,
+            checkpoint_dir=checkpoint_dir,
+            secret=rdzv.secret,
+            host=ctx.host,
+            node_rank=ctx.node_rank,
+            attempt=attempt,
+            say=lambda text: say(ctx.node_rank, text),
+        )
+    except OSError as e:
+        raise UserError(f"{key('local_checkpoint_dir')}: cannot set up {node.root}: {e}") from None
+    stack.callback(tier.close)
+    return tier
 
 
 def cancelled_before_start(spec: AgentSpec, ctx: NodeContext, environ: Mapping[str, str]) -> bool:
@@ -245,6 +315,7 @@ def host_coordinator(
         rdzv.run_dir,
         heartbeat_timeout=timing.heartbeat_timeout,
         probe_timeout=timing.probe_timeout,
+        tier=tier_book(spec, rdzv.run_dir, attempt),
     )
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)
@@ -279,6 +350,21 @@ def export_metrics(
         return
     stack.callback(exporter.close)
     say(ctx.node_rank, f"metrics: http://{exporter.host}:{exporter.port}/metrics")
+
+
+def tier_book(spec: AgentSpec, run_dir: RunDir, attempt: int) -> TierBook | None:
+    """The coordinator's book of the local checkpoint tier, seeded with the checkpoint published last (what a
+    new attempt restores when no node's memory holds one)."""
+    settings = spec.local_tier
+    if settings is None:
+        return None
+    book = TierBook(settings.replicas, settings.persist_every, settings.restore, attempt=attempt)
+    published = handoff.load(run_dir).checkpoint
+    if published is not None and Path(published["path"]).exists():
+        path = Path(published["path"])
+        step = published.get("step")
+        book.seed(path.name, step if isinstance(step, int) else None, str(path))
+    return book
 
 
 def fence_bound(timing: Timing) -> float:

@@ -42,6 +42,7 @@ from hpcelastic.agent.job_state import Action, JobState, Phase, Record, SaveStac
 from hpcelastic.events import EventName
 from hpcelastic.hangs.store import write_stacks
 from hpcelastic.rundir import RunDir
+from hpcelastic.tier.book import TierBook
 
 HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
@@ -144,8 +145,11 @@ class Coordinator:
         *,
         heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
         probe_timeout: float = liveness.PROBE_TIMEOUT,
+        tier: TierBook | None = None,
     ) -> None:
         self.state = state
+        #: The local checkpoint tier's book (hpcelastic/tier/book.py), None when the job has no tier.
+        self.tier = tier
         self.run_dir = run_dir
         #: Event writes leave this thread: a slow or failing filesystem never delays heartbeats.
         self.events = EventWriter(run_dir)
@@ -186,6 +190,8 @@ class Coordinator:
             messages.Progress: self._on_progress,
             messages.StepReport: self._on_step_report,
             messages.Heartbeat: self._on_heartbeat,
+            messages.TierHave: self._on_tier_have,
+            messages.TierFlush: self._on_tier_flush,
         }
 
     @property
@@ -352,6 +358,8 @@ class Coordinator:
             conn.probe_addr = (conn.sock.getpeername()[0], hello.probe_port)
         conn.probe_key = liveness.probe_key(session)
         self._by_rank[hello.node_rank] = conn
+        if self.tier is not None:
+            self.tier.join(hello.node_rank, hello.host, self._reachable(conn), hello.data_port)
         actions = self.state.join(hello.node_rank, hello.host, hello.nproc)
         self._send(conn, messages.Welcome(self.state.round, self.session, self._probes.getsockname()[1]))
         self._apply(actions)
@@ -397,6 +405,14 @@ class Coordinator:
     def _on_stacks_report(self, msg: messages.StacksReport, conn: _Conn) -> None:
         self._apply(self.state.stacks_report(_rank(conn), msg))
 
+    def _on_tier_have(self, msg: messages.TierHave, conn: _Conn) -> None:
+        if self.tier is not None:
+            self._apply(self.tier.have(_rank(conn), msg))
+
+    def _on_tier_flush(self, msg: messages.TierFlush, conn: _Conn) -> None:
+        if self.tier is not None:
+            self._apply(self.tier.flush(_rank(conn)))
+
     def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
         rank = _rank(conn)
         self._drop(conn, None)
@@ -411,6 +427,9 @@ class Coordinator:
                     if conn is not None:
                         if isinstance(message, messages.DumpStacks):
                             message = dataclasses.replace(message, peers=self._neighbours(node_rank))
+                        if isinstance(message, messages.Round) and self.tier is not None:
+                            for restore in self.tier.restore_plan(node_rank, message):
+                                self._send(conn, restore)
                         self._send(conn, message)
                 case Record(event):
                     self.events.record(event)
@@ -420,6 +439,15 @@ class Coordinator:
                     threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
             self.finished.set()
+
+    def _reachable(self, conn: _Conn) -> str:
+        """The address other nodes reach ``conn``'s agent at: its connection's, or the job's published one for
+        the coordinator's own agent (connected over loopback)."""
+        with contextlib.suppress(OSError):
+            host = conn.sock.getpeername()[0]
+            if not ipaddress.ip_address(host).is_loopback:
+                return str(host)
+        return self.state.master_addr
 
     def _neighbours(self, node_rank: int) -> tuple[tuple[int, str, int], ...]:
         """Up to :data:`PING_NEIGHBOURS` joined agents nearest ``node_rank`` (in a ring of node ranks) and
@@ -577,6 +605,8 @@ class Coordinator:
             self._update_listening()
         if conn.node_rank is not None and self._by_rank.get(conn.node_rank) is conn:
             del self._by_rank[conn.node_rank]
+            if self.tier is not None:  # its copies are gone with it
+                self._apply(self.tier.lost(conn.node_rank))
             if reason is not None:  # decided (and its events queued) before the peer sees the close
                 self._apply(self.state.lost(conn.node_rank, reason, silent=silent))
         with contextlib.suppress(OSError):

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ import psutil
 from hpcelastic import events
 from hpcelastic.agent.spec import AgentCommand
 from hpcelastic.env.base import listen
-from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED_FOR_REQUEUE
+from hpcelastic.errors import EXIT_INTERNAL, EXIT_OK, EXIT_STOPPED_FOR_REQUEUE, UserError
 from hpcelastic.lifecycle.cancel import mark_cancelled
 from hpcelastic.rundir import RunDir, write_json_atomic
 
@@ -67,6 +68,8 @@ class LocalRun:
     min_replica_groups: int | None = None
     console: str | None = None
     metrics_port: int | None = None
+    #: The checkpoint tier's settings (``TierSettings.to_text``), or None.
+    local_tier: str | None = None
 
     @property
     def agents(self) -> int:
@@ -95,15 +98,33 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]
         min_replica_groups=spec.min_replica_groups,
         console=spec.console,
         metrics_port=spec.metrics_port,
+        local_tier=spec.local_tier,
         module=spec.module,
         program=spec.program,
     )
     return command.to_argv(sys.executable, extra=spec.agent_args)
 
 
+def check_local_tier(spec: LocalRun, run_dir: RunDir) -> None:
+    """Every local node's checkpoint tier directory (``--local-tier``), checked before any agent starts."""
+    if not spec.local_tier:
+        return
+    from hpcelastic.env.local import local_host
+    from hpcelastic.tier.settings import TierSettings, check_node
+
+    settings = TierSettings.parse(spec.local_tier)
+    for i in range(spec.agents):
+        check_node(settings, settings.local_dir(local_host(i), run_dir.path.name), run_dir.path)
+
+
 def start_agents(spec: LocalRun) -> tuple[RunDir, list[subprocess.Popen[bytes]]]:
     """Create the run directory and secret, and start the agents (agent i has local node rank i)."""
     run_dir = RunDir.create(spec.run_dir or default_run_dir())
+    try:
+        check_local_tier(spec, run_dir)
+    except UserError:
+        shutil.rmtree(run_dir.path, ignore_errors=True)  # a refused setting leaves nothing behind
+        raise
     run_dir.create_secret()
     listener = listen("127.0.0.1", 0)
     cmd = agent_command(spec, run_dir, listener.getsockname()[1])

@@ -17,6 +17,7 @@ import selectors
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from hpcelastic import events
 from hpcelastic.agent import messages
@@ -31,6 +32,8 @@ from hpcelastic.agent.workers import Worker, parse_heartbeat
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
+from hpcelastic.tier.book import position_of
+from hpcelastic.tier.node import SCAN_INTERVAL_S
 
 #: How long the end of an attempt waits for the coordinator's queued events to reach the run directory.
 EVENT_FLUSH_TIMEOUT = 10.0
@@ -84,6 +87,12 @@ class NodeLoop:
         self.stopped_here: set[int] = set()
         #: Which checkpoint the current round opens before its first step (group rank 0 only).
         self.resume_watch: ResumeWatch | None = None
+        #: The local checkpoint tier's flush at the end of the workers: what to send once the coordinator
+        #: says the last checkpoint is persisted (or when ``flush_deadline`` passes), and whether
+        #: ``TierFlush`` went out for this round.
+        self.flush_then: Callable[[], None] | None = None
+        self.flush_deadline: float | None = None
+        self.flush_sent_round: int | None = None
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -92,6 +101,12 @@ class NodeLoop:
             messages.Finish: self._on_finish,
             messages.Lost: self._on_lost,
             messages.DumpStacks: self._on_dump_stacks,
+            messages.TierQuery: self._on_tier,
+            messages.TierComplete: self._on_tier,
+            messages.TierSafe: self._on_tier,
+            messages.TierCommit: self._on_tier,
+            messages.TierRestore: self._on_tier,
+            messages.TierFlushed: self._on_tier_flushed,
         }
 
     def run(self) -> int:
@@ -115,12 +130,15 @@ class NodeLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         rt, stall_timeout = self.rt, self.rt.spec.stall_timeout
-        next_stall = next_health = next_stop_check = time.monotonic()
+        next_stall = next_health = next_stop_check = next_scan = time.monotonic()
         while self.exit_code is None:
+            scanning = rt.tier is not None and self.state in (State.RUNNING, State.STOPPING)
             deadlines = [next_stall] if stall_timeout else []
             deadlines += [next_health] if rt.health is not None else []
             deadlines += [self.stop_deadline] if self.stop_deadline is not None else []
             deadlines += [next_stop_check] if self.state == State.STOPPING else []
+            deadlines += [next_scan] if scanning else []
+            deadlines += [self.flush_deadline] if self.flush_deadline is not None else []
             now = time.monotonic()
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
             ready = rt.selector.select(timeout)
@@ -153,6 +171,11 @@ class NodeLoop:
             if self.state == State.STOPPING and now >= next_stop_check:
                 next_stop_check = now + STOP_CHECK_INTERVAL
                 self._stop_when_not_saving()
+            if scanning and now >= next_scan:
+                next_scan = now + SCAN_INTERVAL_S
+                self._scan_tier()
+            if self.flush_deadline is not None and now >= self.flush_deadline:
+                self._flush_missed()
 
     def _drain_messages(self) -> None:
         while self.exit_code is None and (msg := self.rt.inbox.take()) is not None:
@@ -163,21 +186,51 @@ class NodeLoop:
         group, client = self.rt.group, self.rt.client
         if group.running():
             group.stop(RESTART_KILL_GRACE)
+        self._cancel_flush()
         self.round = msg
         if self.preempting:
             self.reported_round = msg.round
             client.send(messages.Stopped(msg.round))
             return
+        restored = self.rt.tier.restore(msg.round) if self.rt.tier is not None else None
+        if restored is not None and restored.error:
+            self._restore_failed(msg, restored.error)
+            return
         self.state = State.RUNNING
         self._watch_resume(msg)
-        spawned = group.start(msg)
+        spawned = group.start(msg, restored.path if restored is not None else None)
         if self.hangs is not None:
             workers = [(w.rank, w.proc.pid) for w in group.workers]
             self.hangs.watch(msg.round, workers, main_thread_io=msg.num_replica_groups > 0)
         client.send(messages.Started(msg.round, spawned, group.spawn, group.spawn_reason))
 
+    def _restore_failed(self, rnd: messages.Round, error: str) -> None:
+        """No copy of the round's checkpoint could be placed: this node's workers fail before they start,
+        and the coordinator plans the next round from what it knows then (the node that was to serve it is
+        lost)."""
+        self.rt.say(f"local checkpoint tier: {error}")
+        failure = {
+            "round": rnd.round,
+            "rank": rnd.rank_offset,
+            "local_rank": 0,
+            "exitcode": None,
+            "signal": None,
+            "error": f"local checkpoint tier: {error}",
+            "traceback": "",
+            "ts": time.time(),
+        }
+        self.state = State.RESTARTING
+        self.reported_round = rnd.round
+        self.rt.client.send(messages.Failed(rnd.round, (failure,)))
+        self.rt.client.send(messages.Stopped(rnd.round))
+
     def _on_stop(self, msg: messages.Stop) -> None:
-        if self.round is None or msg.round != self.round.round or self.reported_round == self.round.round:
+        if self.round is None or msg.round != self.round.round:
+            return
+        if self.flush_then is not None:
+            self._cancel_flush()
+            self.reported_round = -1
+        if self.reported_round == self.round.round:
             return
         self._stop_and_report(self.round)
 
@@ -186,6 +239,7 @@ class NodeLoop:
 
     def _on_finish(self, msg: messages.Finish) -> None:
         self._end_resume_watch()
+        self._cancel_flush()
         self.rt.group.stop(RESTART_KILL_GRACE)
         self.state = State.DONE
         if msg.message:
@@ -194,6 +248,7 @@ class NodeLoop:
 
     def _on_lost(self, msg: messages.Lost) -> None:
         self._end_resume_watch()
+        self._cancel_flush()
         self.rt.group.stop(RESTART_KILL_GRACE)
         self.state = State.DONE
         self.rt.say(f"coordinator lost: {msg.reason}; stopping this node's workers")
@@ -251,8 +306,9 @@ class NodeLoop:
             client.send(messages.Failed(self.round.round, (group.failure(worker),)))
             self._stop_and_report(self.round)
         elif not group.running():
-            client.send(messages.Done(self.round.round))
             self.state = State.RESTARTING  # exit barrier: wait for the coordinator's decision
+            done = messages.Done(self.round.round)
+            self._flush_then(lambda: client.send(done), time.monotonic() + self.rt.spec.grace_period)
 
     def _stop_and_report(self, rnd: messages.Round) -> None:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
@@ -462,13 +518,72 @@ class NodeLoop:
         rt.run_dir.record(event, host=rt.ctx.host)
 
     def _finish_preempt_stop(self) -> None:
-        """Workers are gone (or the grace period is over): report this node stopped."""
+        """Workers are gone (or the grace period is over): report this node stopped, once the local tier has
+        persisted the last checkpoint (within what is left of the grace period)."""
         self._flush_steps()
+        deadline = self.stop_deadline if self.stop_deadline is not None else time.monotonic()
         self.stop_deadline = None
         self.rt.group.stop(RESTART_KILL_GRACE)
         rnd = self.round.round if self.round else -1
         self.reported_round = rnd
-        self.rt.client.send(messages.Stopped(rnd))
+        stopped = messages.Stopped(rnd)
+        self._flush_then(lambda: self.rt.client.send(stopped), deadline)
+
+    # ---- the local checkpoint tier ----------------------------------------------------------
+    def _on_tier(self, msg: messages.Message) -> None:
+        if self.rt.tier is not None:
+            self.rt.tier.on_message(msg)
+            if isinstance(msg, messages.TierQuery):
+                self._scan_tier()  # answer at once if this node's files of it are settled
+
+    def _scan_tier(self) -> None:
+        if self.rt.tier is not None and self.round is not None:
+            self.rt.tier.scan(self.rt.group.writing(), position_of(self.round))
+
+    def _flush_then(self, then: Callable[[], None], deadline: float) -> None:
+        """The workers are gone: ``then`` once the job's last checkpoint is persisted (the coordinator's
+        ``TierFlushed``), or at ``deadline`` at the latest; at once without a tier."""
+        tier, rnd = self.rt.tier, self.round
+        if tier is None or rnd is None:
+            then()
+            return
+        tier.final_scan(self.rt.group.writing(), position_of(rnd))
+        self.flush_then, self.flush_deadline = then, deadline
+        if self.flush_sent_round != rnd.round:
+            self.flush_sent_round = rnd.round
+            self.rt.client.send(messages.TierFlush(rnd.round))
+
+    def _on_tier_flushed(self, msg: messages.TierFlushed) -> None:
+        then = self.flush_then
+        if then is None:
+            return
+        if not msg.ok:
+            self.rt.say(f"local checkpoint tier: the last checkpoint {msg.name} was not persisted: {msg.why}")
+        self._cancel_flush()
+        then()
+
+    def _flush_missed(self) -> None:
+        """The grace period ended before the last checkpoint was persisted: say so (the coordinator's node
+        records it for the ledger), and go on."""
+        then = self.flush_then
+        self._cancel_flush()
+        if then is None:
+            return
+        rt = self.rt
+        book = rt.coordinator.tier if rt.coordinator is not None else None
+        last = book.last_complete() if book is not None else None
+        name, step = last if last is not None else ("", None)
+        rt.say(f"local checkpoint tier: the last checkpoint {name or '(none)'} was not persisted in time")
+        if book is not None and name:
+            why = "the grace period ended before every node's files were in the checkpoint directory"
+            rt.run_dir.record(
+                events.tier_persist_missed(attempt=rt.attempt, checkpoint=name, step=step, why=why)
+            )
+        then()
+
+    def _cancel_flush(self) -> None:
+        self.flush_then = None
+        self.flush_deadline = None
 
     def _terminate(self, signum: int, ts: float) -> None:
         """SIGTERM/SIGINT/SIGHUP (delivered at ``ts``): stop the workers and leave the job."""

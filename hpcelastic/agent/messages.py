@@ -103,6 +103,8 @@ class Hello(Message):
     pid: int | None = None
     #: The agent's UDP port for liveness probes (0: none).
     probe_port: int = 0
+    #: The agent's TCP port of the local checkpoint tier's data channel (0: no tier).
+    data_port: int = 0
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Hello:
@@ -113,6 +115,7 @@ class Hello(Message):
             int(d.get("nproc", 1)),
             None if pid is None else int(pid),
             int(d.get("probe_port", 0)),
+            int(d.get("data_port", 0)),
         )
 
 
@@ -299,6 +302,52 @@ class StacksReport(Message):
         return cls(int(d["round"]), stacks, tuple(_node_rank(r) for r in d.get("unreachable", [])))
 
 
+# ---- the local checkpoint tier (hpcelastic/tier/): agent -> coordinator ---------------------------
+@dataclass(frozen=True)
+class TierHave(Message):
+    """What this node now holds of checkpoint ``name``, part ``position`` (the position in the round of the
+    node that wrote it): ``kind`` ``own`` (its files settled here; 0 bytes: it wrote none), ``replica`` (a
+    peer's part copied here), ``persisted`` (copied to the shared staging directory), ``committed`` (the
+    whole checkpoint is in the checkpoint directory at ``path``), or ``refused`` (``why``: it did not fit)."""
+
+    TAG = "tier_have"
+    name: str
+    position: str
+    kind: str
+    step: int | None = None
+    size: int = 0
+    marker: bool = False
+    path: str = ""
+    why: str = ""
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierHave:
+        step = d.get("step")
+        return cls(
+            str(d["name"]),
+            str(d["position"]),
+            str(d["kind"]),
+            None if step is None else int(step),
+            int(d.get("size", 0)),
+            bool(d.get("marker")),
+            str(d.get("path", "")),
+            str(d.get("why", "")),
+        )
+
+
+@dataclass(frozen=True)
+class TierFlush(Message):
+    """This node's workers are gone (a stop or the end) and it reported every checkpoint it holds: persist the
+    job's last one before the attempt ends."""
+
+    TAG = "tier_flush"
+    round: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierFlush:
+        return cls(int(d["round"]))
+
+
 # ---- coordinator -> agent ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Challenge(Message):
@@ -444,6 +493,126 @@ class Finish(Message):
         )
 
 
+# ---- the local checkpoint tier: coordinator -> agent ----------------------------------------------
+Peer = tuple[int, str, int]
+
+
+def _peers(value: Any) -> tuple[Peer, ...]:
+    return tuple((_node_rank(p[0]), str(p[1]), int(p[2])) for p in value)
+
+
+@dataclass(frozen=True)
+class TierQuery(Message):
+    """Another node holds a complete part of checkpoint ``name``: report yours (:class:`TierHave`, 0 bytes
+    when you wrote none) once your files of it are settled."""
+
+    TAG = "tier_query"
+    name: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierQuery:
+        return cls(str(d["name"]))
+
+
+@dataclass(frozen=True)
+class TierComplete(Message):
+    """Checkpoint ``name`` is complete on every node: copy your part ``position`` (your own, or one you hold
+    as a replica) to ``peers`` (node rank, address, data port) and, with ``persist``, to the shared staging
+    directory."""
+
+    TAG = "tier_complete"
+    name: str
+    step: int | None
+    position: str
+    persist: bool = False
+    peers: tuple[Peer, ...] = ()
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierComplete:
+        step = d.get("step")
+        return cls(
+            str(d["name"]),
+            None if step is None else int(step),
+            str(d["position"]),
+            bool(d.get("persist")),
+            _peers(d.get("peers", [])),
+        )
+
+
+@dataclass(frozen=True)
+class TierSafe(Message):
+    """Checkpoint ``name`` is complete and every part has its replicas: older local copies may go."""
+
+    TAG = "tier_safe"
+    name: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierSafe:
+        return cls(str(d["name"]))
+
+
+@dataclass(frozen=True)
+class TierCommit(Message):
+    """Every part of checkpoint ``name`` is in the shared staging directory: move it into the checkpoint
+    directory and publish it (one node does this)."""
+
+    TAG = "tier_commit"
+    name: str
+    step: int | None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierCommit:
+        step = d.get("step")
+        return cls(str(d["name"]), None if step is None else int(step))
+
+
+@dataclass(frozen=True)
+class TierRestore(Message):
+    """Before ``round``'s :class:`Round`: restore checkpoint ``name`` ("" : none, clear the directory) from
+    ``sources``, one per part (position, ``here`` | ``peer`` | ``persisted``, node rank, address, data
+    port); ``path`` is its persisted copy. Sent in chunks; ``last`` marks the final one."""
+
+    TAG = "tier_restore"
+    round: int
+    name: str
+    step: int | None = None
+    path: str = ""
+    sources: tuple[tuple[str, str, int, str, int], ...] = ()
+    last: bool = True
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierRestore:
+        step = d.get("step")
+        sources = tuple((str(s[0]), str(s[1]), int(s[2]), str(s[3]), int(s[4])) for s in d.get("sources", []))
+        return cls(
+            int(d["round"]),
+            str(d["name"]),
+            None if step is None else int(step),
+            str(d.get("path", "")),
+            sources,
+            bool(d.get("last", True)),
+        )
+
+
+@dataclass(frozen=True)
+class TierFlushed(Message):
+    """Answer to every node's :class:`TierFlush`: the job's last checkpoint ``name`` is persisted (``ok``),
+    or why not."""
+
+    TAG = "tier_flushed"
+    name: str
+    step: int | None = None
+    ok: bool = True
+    why: str = ""
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierFlushed:
+        step = d.get("step")
+        return cls(
+            str(d["name"]), None if step is None else int(step), bool(d.get("ok")), str(d.get("why", ""))
+        )
+
+
 @dataclass(frozen=True)
 class Lost(Message):
     """Never on the wire: the agent's client reports the coordinator lost."""
@@ -470,9 +639,25 @@ FROM_AGENT = _table(
     StallReport,
     StacksReport,
     StepReport,
+    TierHave,
+    TierFlush,
 )
 #: What an agent accepts from its coordinator once joined.
-FROM_COORDINATOR = _table(Heartbeat, Round, Stop, Preempt, StopAt, Finish, DumpStacks)
+FROM_COORDINATOR = _table(
+    Heartbeat,
+    Round,
+    Stop,
+    Preempt,
+    StopAt,
+    Finish,
+    DumpStacks,
+    TierQuery,
+    TierComplete,
+    TierSafe,
+    TierCommit,
+    TierRestore,
+    TierFlushed,
+)
 
 
 def encode(msg: Message) -> Wire:

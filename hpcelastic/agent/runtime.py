@@ -26,6 +26,7 @@ from hpcelastic.agent.workers import WorkerGroup
 from hpcelastic.env.base import NodeContext
 from hpcelastic.errors import UserError
 from hpcelastic.rundir import RunDir
+from hpcelastic.tier.node import LocalTier
 
 RESTART_KILL_GRACE = 3.0
 STALL_CHECK_INTERVAL = 0.5
@@ -142,6 +143,8 @@ class NodeRuntime:
     stop_file: Path
     #: None where NVML or GPUs are absent.
     health: GpuHealth | None
+    #: The node-local checkpoint tier (``--local-tier``), None when off.
+    tier: LocalTier | None = None
     #: Signals delivered and not yet handled, with when (appended by the signal handler).
     signals: list[tuple[int, float]] = field(default_factory=list)
 

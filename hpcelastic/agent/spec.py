@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from hpcelastic import sites
 from hpcelastic.errors import UserError
 from hpcelastic.parse import AUTO, check_module_name, parse_nodes, parse_nproc, parse_signal
+from hpcelastic.tier.settings import TierSettings
 
 DEFAULT_SIGNAL = parse_signal(sites.default("signal.name"))
 DEFAULT_MAX_RESTARTS: int = sites.default("max_restarts")
@@ -69,6 +70,8 @@ class AgentSpec:
     #: The coordinator's OpenMetrics port (0: a free one; None: no endpoint) and textfile directory.
     metrics_port: int | None = 0
     metrics_textfile_dir: Path | None = None
+    #: The node-local checkpoint tier (hpcelastic/tier/); None: workers save to the checkpoint dir.
+    local_tier: TierSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ class AgentCommand:
     metrics_port: int | None = None
     no_metrics: bool = False
     metrics_textfile_dir: Path | None = None
+    #: The checkpoint tier's settings as one JSON object (``TierSettings.to_text``).
+    local_tier: str | None = None
     module: bool = False
     program: tuple[str, ...] = field(default=())
 
@@ -151,6 +156,7 @@ class AgentCommand:
             console=self.console or DEFAULT_CONSOLE,
             metrics_port=None if self.no_metrics else (self.metrics_port or 0),
             metrics_textfile_dir=self.metrics_textfile_dir.absolute() if self.metrics_textfile_dir else None,
+            local_tier=TierSettings.parse(self.local_tier) if self.local_tier else None,
         )
 
 

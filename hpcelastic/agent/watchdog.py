@@ -7,13 +7,15 @@ environment (``hpcelastic.agent.workers.tree_marker``). The agent holds the only
 pipe, so when the agent dies for any reason (SIGKILL included) the watchdog reads EOF and SIGKILLs
 every process still in a registered session or started with that environment (a worker's child
 that called ``setsid``): the workers and their children, which the workers' own parent-death signal
-would not reach.
+would not reach. Then it removes the directories registered with ``/PATH`` (the node-local checkpoint
+tier: its bytes in ``/dev/shm`` are the node's memory) and, if empty, those registered with ``^PATH``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +84,10 @@ class Watchdog:
         (``NAME=VALUE``)."""
         self._write(f"={marker}\n")
 
+    def remove_on_death(self, path: str, *, only_if_empty: bool = False) -> None:
+        """Also remove directory ``path`` when the agent dies (``only_if_empty``: only an empty one)."""
+        self._write(f"{'^' if only_if_empty else '/'}{path}\n")
+
     def remove(self, sid: int) -> None:
         """Forget a session whose processes are all gone."""
         self._write(f"-{sid}\n")
@@ -107,6 +113,8 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     sids: set[int] = set()
     markers: set[str] = set()
+    trees: list[str] = []
+    empty: list[str] = []
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line[:1] == b"+" and line[1:].isdigit():
@@ -115,6 +123,10 @@ def main() -> None:
             sids.discard(int(line[1:]))
         elif line[:1] == b"=" and len(line) > 1:
             markers.add(os.fsdecode(line[1:]))
+        elif line[:1] == b"/" and len(line) > 1:
+            trees.append(os.fsdecode(line[1:]))
+        elif line[:1] == b"^" and len(line) > 1:
+            empty.append(os.fsdecode(line[1:]))
     for _ in range(5):
         killed = kill_sessions(sids) if sids else 0
         for pid in marked_pids(markers) if markers else []:
@@ -124,6 +136,11 @@ def main() -> None:
         if not killed:
             break
         time.sleep(0.05)
+    for path in trees:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in empty:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 if __name__ == "__main__":

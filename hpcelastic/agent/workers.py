@@ -42,6 +42,7 @@ from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.parse import parse_signal
 from hpcelastic.rundir import RunDir
+from hpcelastic.worker import ENV_CHECKPOINT_TIER
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -176,8 +177,14 @@ class WorkerConfig:
     environ: Mapping[str, str]
     node_rank: int
     console: str = "all"  # which workers' output reaches the console (agent/console.py)
+    #: ``checkpoint_dir`` is the node-local checkpoint tier's directory (hpcelastic/tier/).
+    local_tier: bool = False
 
 
+#: Set for workers whose checkpoint dir is the node-local tier: ``worker.publish_checkpoint`` marks the
+#: checkpoint complete for the agent, which publishes its persisted copy (hpcelastic/tier/).
+TIER_VARIABLE = ENV_CHECKPOINT_TIER
+TIER_LOCAL = "local"
 #: Never handed to workers (the launcher's own variables are already gone: ``Environment.worker_environ``).
 AGENT_SECRET_VARIABLE = "HPCELASTIC_SECRET"
 
@@ -222,6 +229,10 @@ def worker_env(
         HPCELASTIC_STOP_SIGNAL=cfg.stop_signal,
         HPCELASTIC_NODE_RANK=str(cfg.node_rank),
     )
+    if cfg.local_tier:
+        env[TIER_VARIABLE] = TIER_LOCAL
+    else:
+        env.pop(TIER_VARIABLE, None)
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     if share and "OMP_NUM_THREADS" not in cfg.environ:
@@ -360,12 +371,15 @@ class WorkerGroup:
         #: Each local rank's CPUs (agent/cpus.py), None when the job turned the split off.
         self.cpu_shares = cpus.worker_shares(cfg.environ, cfg.nproc)
 
-    def start(self, rnd: Round) -> float:
-        """Spawn this node's workers for ``rnd``; returns the time the last one was spawned."""
+    def start(self, rnd: Round, restored: Path | None = None) -> float:
+        """Spawn this node's workers for ``rnd``; returns the time the last one was spawned.
+
+        ``restored``: the checkpoint the local tier placed for this round (their ``HPCELASTIC_RESUME_FROM``).
+        """
         self.round = rnd
         # Only a published checkpoint that still exists is handed to the workers (handoff.py).
-        resume = handoff.resume_path(self.cfg.run_dir)
-        argv = handoff.expand_resume(self.cfg.argv, resume)
+        resume = str(restored) if restored is not None else handoff.resume_path(self.cfg.run_dir)
+        argv = handoff.expand_args(self.cfg.argv, resume, self.cfg.checkpoint_dir)
         log_dir = self.cfg.run_dir.attempt_log_dir(self.cfg.attempt)
         for local_rank in range(self.cfg.nproc):
             rank = rnd.rank_offset + local_rank
@@ -516,6 +530,10 @@ class WorkerGroup:
             files += open_for_writing(pid, self._checkpoint_dir)
         return files
 
+    def writing(self) -> list[str]:
+        """Files in the checkpoint dir that any running worker's tree holds open for writing."""
+        return [path for w in self.running() for path in self.saving(w)]
+
     def note_saves(self) -> None:
         """Record which running workers are writing a checkpoint now (a save is activity, never a stall)."""
         now = time.monotonic()
@@ -625,6 +643,7 @@ class WorkerGroup:
                 f"=== round {self.round.round} restart {self.round.restart_count} pid {worker.proc.pid} ===\n"
             )
             log.write(header.encode())
+            log.flush()  # the round's worker pid is in the log at once, even while the script is silent
             _copy_lines(worker.proc.stdout, log, worker.tail, worker.console)
         worker.proc.stdout.close()
 

@@ -38,6 +38,10 @@ from hpcelastic.parse import (
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 _STALL_HELP = "Seconds without progress = hang."
 _PROGRAM = click.argument("program", nargs=-1, type=click.UNPROCESSED)
+_LOCAL_TIER_HELP = (
+    "Node-local checkpoint tier: a JSON object of checkpoint_tier settings, e.g. "
+    '\'{"local_checkpoint_dir": "/dev/shm/ckpt-{job}-{node}"}\' (docs/ARCHITECTURE.md).'
+)
 
 
 def _default(value: Any) -> str:
@@ -109,6 +113,7 @@ _METRICS_PORT = click.option(
     type=click.Path(path_type=Path, file_okay=False),
     help="Write hpcelastic_<run id>.prom there (node-exporter's textfile collector).",
 )
+@click.option("--local-tier", help=_LOCAL_TIER_HELP)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def agent(**params: Any) -> None:
@@ -150,6 +155,7 @@ def agent(**params: Any) -> None:
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
 @_CONSOLE
 @_METRICS_PORT
+@click.option("--local-tier", help=_LOCAL_TIER_HELP)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def run(
@@ -166,6 +172,7 @@ def run(
     no_warm_start: bool,
     console: str | None,
     metrics_port: int | None,
+    local_tier: str | None,
     module: bool,
     program: tuple[str, ...],
 ) -> None:
@@ -180,6 +187,10 @@ def run(
     lo, hi = parse_nodes(nodes)
     parse_nproc(nproc_per_node)
     worker_argv(program, module)
+    if local_tier:
+        from hpcelastic.tier.settings import TierSettings
+
+        TierSettings.parse(local_tier)
     if run_dir is not None and run_dir.exists():
         raise UserError(f"run directory {run_dir} already exists; pick a new one with --run-dir")
     if replica_groups or min_replica_groups:
@@ -205,5 +216,6 @@ def run(
         agent_args=("--no-warm-start",) if no_warm_start else (),
         console=console,
         metrics_port=metrics_port,
+        local_tier=local_tier,
     )
     sys.exit(run_local(spec))

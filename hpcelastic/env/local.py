@@ -47,7 +47,7 @@ class LocalEnvironment(Environment):
             environment=self.name,
             node_rank=rank,
             num_nodes=size,
-            hosts=tuple(f"local{i}" for i in range(size)),
+            hosts=tuple(local_host(i) for i in range(size)),
             job_id=None,
             restart_count=0,
             gpus=gpus[rank * per_node : (rank + 1) * per_node],
@@ -73,3 +73,8 @@ class LocalEnvironment(Environment):
         return Rendezvous(
             host=host, port=port, secret=secret, run_dir=run_dir, master_addr=LOOPBACK, listener=listener
         )
+
+
+def local_host(node_rank: int) -> str:
+    """The name of local node ``node_rank`` (``hpcelastic run``'s agents on this machine)."""
+    return f"local{node_rank}"

@@ -95,6 +95,8 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     _from_schema("warm_start"),
     _from_schema("console"),
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
+    _from_schema("local_checkpoint_dir"),
+    _from_schema("local_checkpoint_mb"),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),
     SubmitOption("env", "KEY=VALUE for the job (repeatable).", multiple=True),

@@ -152,6 +152,7 @@ def agent_command(spec: JobSpec) -> AgentCommand:
         metrics_port=spec.metrics_port,
         no_metrics=not spec.metrics_enabled,
         metrics_textfile_dir=Path(spec.metrics_textfile_dir) if spec.metrics_textfile_dir else None,
+        local_tier=spec.local_tier,
         module=spec.module,
         program=(spec.script, *spec.script_args),
     )

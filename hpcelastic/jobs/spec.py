@@ -30,6 +30,7 @@ from hpcelastic.parse import (
     signal_name,
 )
 from hpcelastic.sites import Resolved, default
+from hpcelastic.tier.settings import TierSettings
 
 # bash refuses to assign these; the run directory variable is hpcelastic's own.
 _RESERVED_ENV = frozenset(
@@ -89,6 +90,7 @@ class JobSpec:
     container: Container | None = None  # the agent runs in this container (hpcelastic.jobs.container)
     #: Submit with ``--requeue=expedite`` (Slurm 25.11+ that offers it: :func:`with_slurm_facts`).
     expedite: bool = False
+    local_tier: str | None = None  # the node-local checkpoint tier's settings (hpcelastic.tier), JSON
 
     @property
     def nodes_text(self) -> str:
@@ -242,6 +244,7 @@ def build_spec(
         no_nul(a, "--sbatch-arg")
         if not a.startswith("-"):
             raise UserError(f"--sbatch-arg {a!r} is not an sbatch option (write it as --sbatch-arg=--mem=0)")
+    tier = TierSettings.from_config(v)
     check_no_task_array(directives, f"site {config.site!r}: sbatch_directives entry")
     check_no_task_array(sbatch_args, "--sbatch-arg")
     container = from_config(config.values, config.site)
@@ -294,4 +297,5 @@ def build_spec(
         metrics_enabled=v("metrics.enabled"),
         metrics_textfile_dir=v("metrics.textfile_dir"),
         container=container,
+        local_tier=tier.to_text() if tier else None,
     )

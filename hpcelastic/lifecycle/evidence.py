@@ -101,14 +101,15 @@ def _complete_mtime(path: Path, depth: int) -> float | None:
             meta = path / DCP_METADATA
             return meta.stat().st_mtime if meta.is_file() else None
         st = path.stat()
-        if not path.is_file() or st.st_size == 0 or _torn_zip(path, st.st_size):
+        if not path.is_file() or st.st_size == 0 or torn_zip(path, st.st_size):
             return None
         return st.st_mtime
     except OSError:
         return None
 
 
-def _torn_zip(path: Path, size: int) -> bool:
+def torn_zip(path: Path, size: int) -> bool:
+    """A ``torch.save`` zip archive without its end record: a save killed or still writing."""
     with path.open("rb") as f:
         if f.read(4) != ZIP_MAGIC:
             return False

@@ -40,6 +40,7 @@ FULL = AgentCommand(
     requeue_mode="resubmit",
     max_requeues=2,
     no_warm_start=True,
+    local_tier='{"local_checkpoint_dir":"/dev/shm/c-{job}-{node}","replicas":2}',
     module=True,
     program=("pkg.train", "--lr", "3e-4", "--", "-m"),
 )
@@ -70,6 +71,7 @@ def test_defaults_come_from_the_site_schema(tmp_path: Path) -> None:
         "argv", "min_nodes", "max_nodes", "spare_nodes", "nproc", "max_restarts", "checkpoint_dir",
         "stall_timeout", "stop_signal", "grace_period", "rdzv", "requeue_mode", "max_requeues", "warm_start",
         "replica_groups", "min_replica_groups", "console", "metrics_port", "metrics_textfile_dir",
+        "local_tier",
     }  # fmt: skip
 
 

@@ -349,6 +349,9 @@ def test_a_setsid_fork_of_a_warm_worker_carries_the_marker_and_dies_with_it(
     for pid in [w.proc.pid for w in group.workers] + children:
         assert marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"), pid
     group.stop(0.5)
+    deadline = time.monotonic() + 5  # a SIGKILLed process ends when next scheduled
+    while [c for c in children if _alive(c)] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not [c for c in children if _alive(c)], "a setsid fork of a warm worker survived the stop"
 
 

@@ -220,9 +220,10 @@ def test_corrupt_record_is_rebuilt(rd: RunDir, tmp_path: Path, damage: str) -> N
     assert handoff.begin_attempt(rd, "7", 1) == 1  # the same allocation is still recognised
 
 
-def test_expand_resume_placeholder() -> None:
-    assert handoff.expand_resume(["--resume={resume}", "x"], "/c/s.pt") == ["--resume=/c/s.pt", "x"]
-    assert handoff.expand_resume(["{resume}"], None) == [""]
+def test_expand_resume_and_checkpoint_dir_placeholders() -> None:
+    assert handoff.expand_args(["--resume={resume}", "x"], "/c/s.pt", "/d") == ["--resume=/c/s.pt", "x"]
+    assert handoff.expand_args(["{resume}"], None, "/d") == [""]
+    assert handoff.expand_args(["--ckpt-dir", "{checkpoint_dir}/x"], None, "/d") == ["--ckpt-dir", "/d/x"]
 
 
 _WRITER = r"""
