@@ -240,4 +240,16 @@ def wait_for_event(run_dir: Path, name: str, timeout: float = 120, **match: obje
             if ev["event"] == name and all(ev.get(k) == v for k, v in match.items()):
                 return ev
         time.sleep(0.3)
-    raise AssertionError(f"no {name} {match} event in {timeout} s: {[e['event'] for e in events(run_dir)]}")
+    seen = [e["event"] for e in events(run_dir)]
+    raise AssertionError(f"no {name} {match} event in {timeout} s: {seen}\n{run_dir_logs(run_dir)}")
+
+
+def run_dir_logs(run_dir: Path, lines: int = 8, limit: int = 4000) -> str:
+    """The last ``lines`` of each log in ``run_dir`` (Slurm's outputs, agents' and ranks' logs), newest
+    first, at most ``limit`` characters: what a failed wait shows of why."""
+    logs = [p for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".log", ".out", ".err")]
+    parts = []
+    for path in sorted(logs, key=lambda p: p.stat().st_mtime, reverse=True):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.relative_to(run_dir)}\n" + "\n".join(tail))
+    return "\n".join(parts)[:limit]

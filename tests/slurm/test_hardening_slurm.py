@@ -68,11 +68,16 @@ def test_a_released_node_leaves_the_exclude_list_others_stay(tmp_path: Path, slu
 
 
 def _slow_sbatch(tmp_path: Path) -> dict[str, str]:
-    """PATH with an ``sbatch`` that submits through the real one, then never answers (a lost reply)."""
+    """PATH with an ``sbatch`` that submits through the real one, then never answers (a lost reply); its
+    ``--version`` answers at once."""
     bin_dir = tmp_path / "slow-bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "sbatch"
-    wrapper.write_text(f'#!/bin/sh\n{shutil.which("sbatch")} "$@" > {tmp_path}/real-reply\nexec sleep 120\n')
+    real = shutil.which("sbatch")
+    wrapper.write_text(
+        f'#!/bin/sh\n[ "$1" = --version ] && exec {real} "$@"\n'
+        f'{real} "$@" > {tmp_path}/real-reply\nexec sleep 120\n'
+    )
     wrapper.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", XDG_STATE_HOME=str(tmp_path / "state"))
     return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
