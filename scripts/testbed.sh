@@ -1109,6 +1109,8 @@ up() {
     # come back and hold nodes while the tests run.
     log "starting slurmctld (port $CTLD_PORT)"
     rm -f "$(ctld_pidfile)"
+    # runc's state of containers a killed testbed left: a new job of the same id would collide with it.
+    rm -rf --one-file-system "$RUN/runc"
     slurmctld -f "$CONF" -c
   fi
   wait_for "slurmctld" 60 scontrol ping || { tail -n 20 "$LOGS/slurmctld.log" >&2 || true; exit 1; }
@@ -1149,6 +1151,7 @@ down() {
   for node in $(node_names); do # the cgroups task/cgroup made (leaf first)
     find /sys/fs/cgroup/*/"slurm_$node" -depth -type d -exec rmdir {} + 2>/dev/null || true
   done
+  rm -rf --one-file-system "$RUN/runc" # the killed containers' state (their ids come back with the job ids)
   log "down"
 }
 
