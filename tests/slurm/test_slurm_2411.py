@@ -38,6 +38,7 @@ from tests.slurm_utils import (
     job_record,
     named,
     reference_digest,
+    run_dir_logs,
     status_json,
     train_args,
     wait_for_event,
@@ -123,9 +124,8 @@ def progress_in(run: Path, round_: int, attempt: int = 0, timeout: float = 120) 
         if any(e["round"] == round_ and e["attempt"] == attempt for e in named(events(run), "progress")):
             return
         time.sleep(0.3)
-    raise AssertionError(
-        f"no progress in round {round_} of attempt {attempt}: {[e['event'] for e in events(run)]}"
-    )
+    seen = [e["event"] for e in events(run)]
+    raise AssertionError(f"no progress in round {round_} of attempt {attempt}: {seen}\n{run_dir_logs(run)}")
 
 
 def test_crash_hang_node_death_stop_and_an_array_resubmitted_then_cancelled(
