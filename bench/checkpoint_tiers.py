@@ -67,6 +67,8 @@ TRAIN = REPO / "bench" / "_tier_train.py"
 STEPS, STEP_TIME, CKPT_EVERY = 60, 0.5, 10
 #: The share of training time each method may spend blocked in checkpoints (for the redone-work column).
 BUDGET = 0.01
+#: State per node, MB, unless ``--mb`` says otherwise (see the docstring for why not 1 GB).
+DEFAULT_MB = 512
 #: Today's projection (bench/goodput.py): async DCP of a 7B model, hpcelastic's launcher cost per failure.
 TODAY_C, TODAY_R = 6.3, 0.54
 METHODS = ("shared save", "shared async_save", "local tier", "local tier + async_save")
@@ -376,10 +378,15 @@ def summarize(samples: list[Sample], nodes: int, mb: int, runs: int) -> str:
     return "\n".join(lines)
 
 
+def section_of(mb: int) -> str:
+    """The bench/RESULTS.md section of a state size: each size's figures are kept side by side."""
+    return "checkpoint_tiers" if mb == DEFAULT_MB else f"checkpoint_tiers_{mb}mb"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--mb", type=int, default=512, help="state per node, MB (see the module docstring)")
+    ap.add_argument("--mb", type=int, default=DEFAULT_MB, help="state per node, MB (see the docstring)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
@@ -392,7 +399,7 @@ def main() -> None:
         md = summarize(samples, saved["nodes"], saved["mb"], saved["runs"])
         print(md)
         if not args.no_write:
-            update_section("checkpoint_tiers", md)
+            update_section(section_of(saved["mb"]), md)
         return
     samples = []
     with tracked(), tempfile.TemporaryDirectory(prefix="ckpt-tiers-", dir=str(REPO)) as tmp:
@@ -419,7 +426,7 @@ def main() -> None:
     md = summarize(samples, args.nodes, args.mb, args.runs)
     print(md)
     if not args.no_write:
-        update_section("checkpoint_tiers", md)
+        update_section(section_of(args.mb), md)
 
 
 if __name__ == "__main__":
