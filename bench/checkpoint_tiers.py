@@ -26,9 +26,9 @@ file it writes). Writes the ``checkpoint_tiers`` section of bench/RESULTS.md.
 
 Memory: every emulated node (and the spare) shares this machine's RAM. A node holds its state, DCP's staging
 copy with ``async_save``, and up to two checkpoints' worth of its own files and its peer's in ``/dev/shm``:
-about 6-8x its state at the peak. With 1 GB per node the three processes of a node-loss run with
-``async_save`` went past this 23 GB machine (shared with other sessions) and the kernel killed a worker, so
-the default is 512 MB; ``--mb 1024`` where the machine has room.
+about 6-8x its state at the peak. With 1 GB per node a node-loss run with ``async_save`` peaks at 7.3 GB
+per node (three agents: 2 nodes and the spare): it fits this 23 GB machine alone, and was killed by the
+kernel while other sessions shared it, so the default is 512 MB and ``--mb 1024`` writes a section of its own.
 
     python bench/checkpoint_tiers.py [--nodes 2] [--mb 512] [--runs 3]
 """
