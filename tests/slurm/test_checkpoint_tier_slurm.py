@@ -229,13 +229,17 @@ def test_torch_save_job_clears_a_torn_save_restores_a_spare_and_persists_at_a_st
             "round 1's restores", lambda: len(restores(run, 0, 1)) == 2 and restores(run, 0, 1), tb, job
         )
         (crash,) = named(events(run), "worker_failed")
-        before = [e for e in named(events(run), "tier_checkpoint") if e["ts"] < crash["ts"]]
-        newest = max(before, key=lambda e: e["step"])["checkpoint"]
-        assert {(e["tier"], e["checkpoint"]) for e in r1.values()} == {("local", newest)}, r1
-        assert newest in ("step-000005.pt", "step-000010.pt"), newest
+        before = [e["step"] for e in named(events(run), "tier_checkpoint") if e["ts"] < crash["ts"]]
+        nodes = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()
+        # One checkpoint on both nodes, at least the newest seen complete before the crash (the agent may
+        # see a file complete only at the restore's scan, on a loaded machine); rank 0's node restores from
+        # its own memory, the other from its replica or, when replication had not finished, from rank 0's.
+        (restored,) = {(e["checkpoint"], e["step"]) for e in r1.values()}
+        assert restored[0] in ("step-000005.pt", "step-000010.pt"), r1
+        assert restored[1] >= max(before, default=0), (r1, before)
+        assert r1[nodes[0]]["tier"] == "local" and r1[nodes[1]]["tier"] in ("local", "peer"), r1
         # 2. The other node dies whole: the spare gets rank 0's file (the whole checkpoint) from its peer.
         done = wait_for("step 20 replicated", lambda: replicated(run, 0, 20), tb, job)
-        nodes = tb.slurm("scontrol", "show", "hostnames", job_record(tb, job)["NodeList"]).split()
         tb.kill_node(nodes[1])
         killed.append(nodes[1])
         r2 = wait_for(
