@@ -193,6 +193,11 @@ def reference_digest(steps: int = 30) -> str:
     return json.loads((out / "final.json").read_text())["sha256"]
 
 
+def submit_argv(run_dir: Path, site: str = "testbed") -> list[str]:
+    """``hpcelastic submit --json`` on ``site`` into ``run_dir``, through the real CLI: the flags follow."""
+    return [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", site, "--run-dir", str(run_dir)]
+
+
 def submit_reference(
     tmp_path: Path,
     *flags: str,
@@ -204,7 +209,7 @@ def submit_reference(
     """Submit the reference training through the real CLI; returns (job id, run dir)."""
     run_dir = tmp_path / "run"
     wait_nodes_idle()
-    argv = [sys.executable, "-m", "hpcelastic", "submit", "--json", "--site", site, "--run-dir", str(run_dir)]
+    argv = submit_argv(run_dir, site)
     argv += ["--time", time_limit, *flags, str(TRAIN), *train_args(steps)]
     argv += ["--out", str(tmp_path / "out"), *train]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)

@@ -23,17 +23,28 @@ pytestmark = [pytest.mark.slow]
 STEPS = 40
 
 
-def test_a_lost_node_s_files_reach_the_survivors_from_its_peer_and_the_job_shrinks(tmp_path: Path) -> None:
-    template = f"/dev/shm/hpce22-local-{tmp_path.name}-{{node}}"
-    spec = LocalRun(
-        min_nodes=2,
-        max_nodes=3,
+def tier_run(
+    tmp_path: Path, template: str, min_nodes: int, max_nodes: int, program: tuple[str, ...]
+) -> LocalRun:
+    """``hpcelastic run`` of ``program`` on MIN:MAX local nodes x 1 worker, 2 restarts, the tier at
+    ``template``."""
+    return LocalRun(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         nproc="1",
         max_restarts=2,
         run_dir=tmp_path / "run",
         local_tier=TierSettings(template).to_text(),
         agent_args=("--rdzv-timeout", "30", "--grace-period", "10"),
-        program=(
+        program=program,
+    )
+
+
+def test_a_lost_node_s_files_reach_the_survivors_from_its_peer_and_the_job_shrinks(tmp_path: Path) -> None:
+    template = f"/dev/shm/hpce22-local-{tmp_path.name}-{{node}}"
+    spec = tier_run(
+        tmp_path, template, 2, 3,
+        (
             str(TRAIN), "--plain", "--format", "dcp", "--ckpt-dir", "{checkpoint_dir}", "--steps", str(STEPS),
             "--step-time", "0.1", "--out", str(tmp_path / "out"),
             "--fault", "kill-agent", "--fault-rank", "2", "--fault-step", "22",
@@ -111,15 +122,9 @@ def test_a_script_that_publishes_resumes_from_memory_and_its_persisted_copy_is_p
 
     template = f"/dev/shm/hpce22-pub-{tmp_path.name}-{{node}}"
     steps = 20
-    spec = LocalRun(
-        min_nodes=2,
-        max_nodes=2,
-        nproc="1",
-        max_restarts=2,
-        run_dir=tmp_path / "run",
-        local_tier=TierSettings(template).to_text(),
-        agent_args=("--rdzv-timeout", "30", "--grace-period", "10"),
-        program=(
+    spec = tier_run(
+        tmp_path, template, 2, 2,
+        (
             str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out"),
             "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "16",
         ),

@@ -21,7 +21,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ import pytest
 
 from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
 from hpcelastic.rundir import RunDir
-from tests.slurm_utils import TRAIN, events, named, reference_digest, wait_no_leaks
+from tests.slurm_utils import TRAIN, events, named, reference_digest, submit_argv, wait_no_leaks
 from tests.testbed import Testbed, own_instance
 
 NAME = "ckpttier"
@@ -62,17 +61,7 @@ def submit(
     config.parent.mkdir(parents=True)
     config.write_text(json.dumps({"checkpoint_tier": {"local_checkpoint_dir": template, **tier}}))
     run = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "hpcelastic",
-        "submit",
-        "--json",
-        "--site",
-        "testbed",
-        "--run-dir",
-        str(run),
-    ]
+    argv = submit_argv(run)
     argv += ["--time", "10", "--nproc-per-node", "2", *flags, str(TRAIN), "--plain", "--ckpt-dir"]
     argv += ["{checkpoint_dir}", "--out", str(tmp_path / "out"), "--steps", str(STEPS), "--ckpt-every", "5"]
     argv += ["--step-time", "0.1", *script]

@@ -31,6 +31,7 @@ from tests.slurm_utils import (
     named,
     reference_digest,
     status_json,
+    submit_argv,
     train_args,
     wait_for_event,
     wait_job_finished,
@@ -131,16 +132,8 @@ def test_container_job_survives_a_crash_and_a_requeue(
     monkeypatch.setenv("PATH", env["PATH"])
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     run = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "hpcelastic",
-        "submit",
-        "--json",
-        "--site",
-        str(site_file(tmp_path, runtime)),
-    ]
-    argv += ["--run-dir", str(run), "--time", "10", "--nodes", "2", "--gpus-per-node", "2", str(TRAIN)]
+    argv = submit_argv(run, str(site_file(tmp_path, runtime)))
+    argv += ["--time", "10", "--nodes", "2", "--gpus-per-node", "2", str(TRAIN)]
     argv += [*train_args(STEPS), "--step-time", "0.2", "--out", str(tmp_path / "out")]
     argv += ["--fault", "sigkill", "--fault-step", "8", "--fault-rank", "1"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
