@@ -61,6 +61,7 @@ from bench._results import machine_line, update_section  # noqa: E402
 from bench.goodput import MTTF_H, projected_ettr  # noqa: E402
 from hpcelastic.agent.launcher import LocalRun, start_agents  # noqa: E402
 from hpcelastic.rundir import RunDir  # noqa: E402
+from hpcelastic.tier.node import bytes_under  # noqa: E402
 from hpcelastic.tier.settings import TierSettings  # noqa: E402
 
 TRAIN = REPO / "bench" / "_tier_train.py"
@@ -120,7 +121,7 @@ class MemoryWatch:
                     root = psutil.Process(agent.pid)
                     for p in [root, *root.children(recursive=True)]:
                         total += anon_bytes(p.pid)
-                total += du(self.tier_dirs[i]) if i < len(self.tier_dirs) else 0
+                total += bytes_under(self.tier_dirs[i]) if i < len(self.tier_dirs) else 0
                 self.peak[i] = max(self.peak[i], total)
 
     def stop(self) -> list[int]:
@@ -137,18 +138,6 @@ def anon_bytes(pid: int) -> int:
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def du(path: Path) -> int:
-    total, seen = 0, set()
-    for folder, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(folder, f))
-                if st.st_ino not in seen:
-                    seen.add(st.st_ino)
-                    total += st.st_size
-    return total
 
 
 def worker_pid(run: Path, rank: int) -> int | None:

@@ -56,6 +56,21 @@ class Restored:
     error: str = ""
 
 
+def bytes_under(path: Path) -> int:
+    """Bytes of the files under ``path``, each inode once (the tier hard-links a checkpoint's files
+    between its copies); files that vanish meanwhile count nothing."""
+    seen: set[int] = set()
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(folder, f))
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_size
+    return total
+
+
 class LocalTier:
     """One node's tier for one attempt (see the module docstring)."""
 
@@ -140,16 +155,7 @@ class LocalTier:
     # ---- accounting -------------------------------------------------------------------------
     def used(self) -> int:
         """Bytes this tier holds on the node (every file under its directory, once per inode)."""
-        seen: set[int] = set()
-        total = 0
-        for folder, _dirs, files in os.walk(self.base):
-            for f in files:
-                with contextlib.suppress(OSError):
-                    st = os.lstat(os.path.join(folder, f))
-                    if st.st_ino not in seen:
-                        seen.add(st.st_ino)
-                        total += st.st_size
-        return total
+        return bytes_under(self.base)
 
     def room_for(self, size: int, what: str) -> str | None:
         """None when ``size`` more bytes fit the budget and the filesystem, else the one line saying why."""
