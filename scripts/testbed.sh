@@ -268,7 +268,12 @@ build_root() { # the Debian root of SLURM_RELEASE, built once (its mark names it
 root_bind() { # PATH: bind-mounted at the same path inside the root (once)
   local src=$1 dst=$ROOT$1
   [ -e "$src" ] || return 0
-  mountpoint -q "$dst" 2>/dev/null && return 0
+  if mountpoint -q "$dst" 2>/dev/null; then
+    [ "$(stat -c %d:%i "$src")" = "$(stat -c %d:%i "$dst")" ] && return 0
+    # A bind of a directory since deleted and made again at the same path (a CI checkout
+    # cloned afresh): the root would see the old, empty one. Bind the new one.
+    umount -l "$dst"
+  fi
   if [ -d "$src" ]; then mkdir -p "$dst"; else mkdir -p "$(dirname "$dst")" && touch "$dst"; fi
   mount --bind "$src" "$dst"
 }
