@@ -36,6 +36,10 @@ STOP_TIMEOUT_EXTRA = 15.0
 #: time: an agent that a signal stopped is held this long for the others before it counts as its
 #: node's loss, so a job-wide stop is never read as one node lost and the others stopped.
 SIGNAL_SETTLE_S = 2.0
+#: The signal Slurm ends a step with. It reaches the step's workers as well as its agents, and a worker
+#: may die of it before any agent got it: such a death is held SIGNAL_SETTLE_S for the agents' signals
+#: before the round decides on it (a restart that the step's stop would cut short).
+STEP_STOP_SIGNAL = "SIGTERM"
 #: How long the coordinator waits for every node's stacks once all ranks stalled.
 STACKS_TIMEOUT = 25.0
 #: Suspect yourself first: when the coordinator loses two or more agents, more than this share of the
@@ -187,6 +191,10 @@ class JobState:
         #: node rank -> (reason, time) of agents a signal stopped, held until ``leaving_until``.
         self.leaving: dict[int, tuple[str, float]] = {}
         self.leaving_until: float | None = None
+        #: Decide no round's stop before this (a worker killed by STEP_STOP_SIGNAL: see there).
+        self.stop_signal_hold_until: float | None = None
+        #: Set while held signalled departures settle: one decision on the whole stop, not on its first node.
+        self._settling = False
         self.result: messages.Finish | None = None
         #: After a preemption signal: each round node's (highest step, steps/s) until the stop step is fixed.
         self.step_reports: dict[int, tuple[int | None, float]] = {}
@@ -271,8 +279,12 @@ class JobState:
         everyone = set(self.leaving) >= set(self.members)  # the step's stop, not one node's loss
         leaving, self.leaving, self.leaving_until = self.leaving, {}, None
         actions: list[Action] = []
+        self._settling = everyone
         for n, (reason, ts) in sorted(leaving.items()):
             actions += self.lost(n, reason, signalled_at=ts, stopped=everyone)
+        self._settling = False
+        if everyone and self.phase in _STOPPING:
+            actions += self._check_stopped()
         return actions
 
     def lost(
@@ -316,6 +328,7 @@ class JobState:
         self.round_nodes = sorted(self.members)[: self.round_size]
         self.started, self.stopped, self.done = {}, set(), set()
         self.failures, self.lost_in_round = [], []
+        self.stop_signal_hold_until = None
         self.steps = _RoundSteps()
         actions = self._round_actions(self.round_nodes, self.restart_count)
         if previous:
@@ -507,6 +520,9 @@ class JobState:
         now = self._now()
         if self.leaving_until is not None and now >= self.leaving_until:
             return self._settle_leaving()
+        if self.stop_signal_hold_until is not None and now >= self.stop_signal_hold_until:
+            self.stop_signal_hold_until = None
+            return self._check_stopped()
         if self.round_due and now >= self.fence_until and self.phase in _STOPPING:
             return self._start_round()
         if self.phase is Phase.PREEMPTING and self.step_deadline is not None and now >= self.step_deadline:
@@ -627,6 +643,8 @@ class JobState:
             }
             self.failures.append(f)
             actions.append(Record(events.worker_failed(f, exit_ts=f.get("ts"))))
+            if f.get("signal") == STEP_STOP_SIGNAL and self.stop_signal_hold_until is None:
+                self.stop_signal_hold_until = self._now() + SIGNAL_SETTLE_S
         return actions
 
     def _lost_node(
@@ -684,13 +702,28 @@ class JobState:
         self.deadline = self._now() + self.stop_timeout
         return [Send(n, messages.Stop(self.round, reason)) for n in sorted(self._alive_round_nodes())]
 
+    def _holding_for_the_steps_stop(self) -> bool:
+        """Every failure of the round so far is a worker killed by STEP_STOP_SIGNAL, no node vanished, not
+        every agent got its signal yet, and they may still: within SIGNAL_SETTLE_S of the first death."""
+        return (
+            self.stop_signal_hold_until is not None
+            and self._now() < self.stop_signal_hold_until
+            and all(f.get("signal") == STEP_STOP_SIGNAL for f in self.failures)
+            and all(n.signalled for n in self.lost_in_round)
+            and not self._all_signalled()
+        )
+
     def _check_stopped(self) -> list[Action]:
+        if self._settling:
+            return []
         if self.phase is Phase.RENDEZVOUS:
             actions: list[Action] = []
         elif self.phase not in _STOPPING or not self.stopped >= self._alive_round_nodes():
             return []
         elif self.phase is Phase.PREEMPTING:
             return self._finish(Reason.PREEMPTED)
+        elif self._holding_for_the_steps_stop():
+            return []  # tick decides once the hold is over
         else:
             actions = self._last_progress() + self._root_cause()
             repeated = self._repeated_startup_failure()

@@ -30,8 +30,13 @@ CHUNK = 250
 KILL_S = 3.0
 #: How long an agent waits for workers that ignore the stop step (``--grace-period``).
 STOP_GRACE_S = 60.0
-#: Slurm's KillWait: the time between the time limit's SIGTERM and SIGKILL.
+#: Slurm's KillWait: the time between the step's SIGTERM and SIGKILL.
 KILL_WAIT_S = 30.0
+#: The step's SIGTERM reaches each process of it within this spread (slurmctld's messages fan out to the
+#: slurmds, each signals its processes on its own time).
+TERM_SPREAD_S = 0.5
+#: After the SIGTERM: the agents' held departures have settled (``SIGNAL_SETTLE_S``) well before this.
+TERM_SETTLED_S = 3.0
 GPU_ERROR = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
 SOFTWARE_ERROR = "RuntimeError: DataLoader worker (pid 4242) exited unexpectedly"
 STARTUP_ERROR = "ModuleNotFoundError: No module named 'not_a_module'"
@@ -204,6 +209,11 @@ class Sim:
         self.attempt_ckpt: int | None = None
         self.decider_saw_step = False
         self.stop: tuple[Reason, float, bool] | None = None  # reason, kill time, slurm requeued
+        #: When the step's SIGTERM came, and whether the round was running or preempting then (no fault
+        #: of its own in the way: see the ``step_stop_blames_nobody`` invariant).
+        self.term_at: float | None = None
+        self.term_clean = False
+        self.term_left: set[int] = set()
         self.ended = False
         self.rate = adapter.StepRate()
         self.workers: dict[int, tuple[tuple[int, int], float]] = {}  # node index -> (round key, dead at)
@@ -296,6 +306,7 @@ class Sim:
         self.attempt_start, self.attempt_steps, self.attempt_ckpt = t0, set(), None
         self.attempt_ckpt_before = self.ckpt_step
         self.decider_saw_step, self.stop, self.trainer, self.workers = False, None, None, {}
+        self.term_at, self.term_clean, self.term_left = None, False, set()
         self.t = t0
         self.phase, self.phase_t = "startup", t0
         self.attempt_log = len(self.log.records)
@@ -442,12 +453,14 @@ class Sim:
     def _stop_node(self, n: int, r: int) -> None:
         """An agent stops its workers (a restart): they are gone a moment later."""
         self._kill_training()
-        done = self.t + self.rng.uniform(0.2, KILL_S)
+        gone = n in self.workers and self.workers[n][1] <= self.t  # dead already: only reaped
+        done = self.t + (0.05 if gone else self.rng.uniform(0.2, KILL_S))
         self._dead_at(n, done)
         self.at(done, self._stopped, n, r)
 
     def _stopped(self, n: int, r: int) -> None:
-        self._call("workers_stopped", n, r, [])
+        if n not in self.term_left:  # an agent that left on the step's SIGTERM reports nothing more
+            self._call("workers_stopped", n, r, [])
 
     def _dead_at(self, n: int, t: float) -> None:
         if n in self.workers:
@@ -474,7 +487,7 @@ class Sim:
         if self.ended or self.stop is not None:
             return
         self.stop = (reason, kill, requeued)
-        self.at(kill, self._killed)
+        self.at(kill, self._step_term)
         if kill <= self.t or self.st is None:
             return
         self.log.record(adapter.events.signal_received(signal="USR2", node_rank=0), self.t)
@@ -521,6 +534,38 @@ class Sim:
         if r == self.round:
             self._stop_node(n, r)
 
+    def _step_term(self) -> None:
+        """Slurm ends the step: its SIGTERM reaches every process, each node's on its slurmd's own time, so
+        a worker may die of it before any agent hears it. Faults no longer strike (the invariant's window)."""
+        if self.ended or self.stop is None:
+            return
+        self.term_at = self.t
+        self.term_clean = self.st is not None and self.st.phase.value in ("running", "preempting")
+        for n, host in enumerate(self.hosts):
+            if self._is_dead(host, self.t):
+                continue
+            if n in self.round_nodes:
+                self.at(
+                    self.t + self.rng.uniform(0.0, TERM_SPREAD_S), self._term_kills_workers, n, self.round
+                )
+            self.at(self.t + self.rng.uniform(0.0, TERM_SPREAD_S), self._term_reaches_agent, n)
+        self.at(self.t + TERM_SETTLED_S - 0.5, self._call, "tick")  # the real coordinator ticks every 0.1 s
+        self.at(self.t + TERM_SETTLED_S, self._killed)
+
+    def _term_kills_workers(self, n: int, r: int) -> None:
+        """Node ``n``'s workers die of the step's SIGTERM; its agent reports it unless it already left."""
+        if r != self.round or n not in self.workers or self.workers[n][1] <= self.t:
+            return
+        self._dead_at(n, self.t)
+        self._kill_training()
+        if n not in self.term_left:
+            self._call("worker_failed", n, r, [self._failure(n, None, "SIGTERM", "killed by SIGTERM", "")])
+
+    def _term_reaches_agent(self, n: int) -> None:
+        """Node ``n``'s agent gets the step's SIGTERM: it leaves (signalled) and stops its workers."""
+        self.term_left.add(n)
+        self._call("left", n, "agent received SIGTERM", signalled_at=self.t)
+
     def _killed(self) -> None:
         """Slurm's kill: every process of the step dies; the batch script's ``finalize`` decides."""
         if self.ended or self.stop is None:
@@ -554,7 +599,7 @@ class Sim:
 
     def _blip(self) -> None:
         """A short network drop at any node, the coordinator's included."""
-        if self.ended:
+        if self.ended or self.term_at is not None:
             return
         self._schedule_blip(self.t)
         n = self.rng.randrange(len(self.hosts))
@@ -565,7 +610,7 @@ class Sim:
             self._node_gone(n, self.t, dead=False)
 
     def _fault(self) -> None:
-        if self.ended:
+        if self.ended or self.term_at is not None:
             return
         self._schedule_fault(self.t)
         weights = [model.BAD_NODE_FACTOR if h in self.faulty else 1.0 for h in self.hosts]

@@ -11,6 +11,9 @@
 - ``one_rank_one_round``: no worker of an earlier round is alive, with a rank of the new round, when it
   spawns.
 - ``one_decision``: every attempt ends with exactly one decision.
+- ``step_stop_blames_nobody``: Slurm's SIGTERM ending the step (a preemption without grace, a time limit
+  the script did not stop for) reaches workers and agents in any order; once it came, a round that was
+  running or preempting records no lost node, no root cause and no restart.
 - ``time_adds_up``: productive time plus badput equals the allocated time, as the simulation counted
   them and in hpcelastic's lost-time ledger of the week's event log (its segments too).
 """
@@ -32,6 +35,7 @@ INVARIANTS = (
     "cancel_final",
     "one_rank_one_round",
     "one_decision",
+    "step_stop_blames_nobody",
     "time_adds_up",
 )
 #: Seconds of allowed rounding between the two sides of ``time_adds_up``.
@@ -124,6 +128,19 @@ class Checker:
                 "one_decision",
                 f"attempt {sim.attempt} ended with {decided} decisions ({logged} recorded)",
             )
+        if sim.term_at is not None and sim.term_clean:
+            blamed = [
+                r["event"]
+                for r in tail
+                if r["ts"] >= sim.term_at and r["event"] in ("node_lost", "root_cause", "restarting")
+            ]
+            if blamed:
+                self.fail(
+                    sim,
+                    "step_stop_blames_nobody",
+                    f"attempt {sim.attempt}: after the step's SIGTERM the coordinator recorded "
+                    + ", ".join(blamed),
+                )
         spent = sum(sim.spans.values())
         if abs(spent - sim.allocated) > TIME_TOLERANCE_S:
             self.fail(sim, "time_adds_up", f"phases add up to {spent:.3f} s, allocated {sim.allocated:.3f} s")

@@ -178,6 +178,22 @@ def test_a_signal_reaching_the_nodes_apart_is_still_the_steps_stop() -> None:
     assert st.result is not None and st.result.bad_nodes == ()
 
 
+def test_a_worker_killed_by_the_steps_term_before_any_agent_got_it_is_still_the_steps_stop() -> None:
+    """A preemption: Slurm's TERM killed node 2's worker first; the round was stopping (and every node had
+    stopped its workers) when the agents' own signals came. Settling them one by one must not decide on the
+    first: that would name the coordinator's node lost."""
+    st = make(3)
+    join_all(st)
+    acts = st.worker_failed(2, 0, [sigterm_failure(2)])
+    assert st.phase is Phase.STOPPING
+    acts += stop_all(st, [0, 1, 2], 0)
+    for n in (0, 1, 2):
+        acts += st.left(n, "agent received SIGTERM", signalled_at=1000.01)
+    assert not events(acts, "root_cause") and not events(acts, "restarting")
+    assert not events(acts, "node_lost") and len(events(acts, "agent_stopped")) == 3
+    assert st.result is not None and st.result.bad_nodes == ()
+
+
 def test_a_signal_to_one_agent_counts_as_its_loss_once_the_others_did_not_follow() -> None:
     clock = Clock()
     st = make(3, min_nodes=2, clock=clock)

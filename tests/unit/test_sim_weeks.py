@@ -9,7 +9,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 
-from hpcelastic.agent.job_state import JobState
+from hpcelastic.agent.job_state import Action, JobState
 from hpcelastic.lifecycle import policy
 from hpcelastic.reasons import SkipReason
 from hpcelastic.sim import model
@@ -101,6 +101,28 @@ def test_a_round_beside_a_lost_nodes_workers_is_caught() -> None:
     blips = (s for s in range(5000) if model.draw_week(s, 64).blips_per_node_day > 0.002)
     week, res = _first(blips, "one_rank_one_round", lambda w: Hooks(job_state=_Elastic), nodes=64)
     assert any("lived on" in str(v) for v in res.violations)
+    _clean(week)
+
+
+class _DecidesOnTheFirstSignal(JobState):
+    """Broken: decides on a worker the step's SIGTERM killed at once, and on each settled departure alone."""
+
+    def _holding_for_the_steps_stop(self) -> bool:
+        return False
+
+    def _settle_leaving(self) -> list[Action]:
+        leaving, self.leaving, self.leaving_until = self.leaving, {}, None
+        actions: list[Action] = []
+        for n, (reason, ts) in sorted(leaving.items()):
+            actions += self.lost(n, reason, signalled_at=ts, stopped=True)
+        return actions
+
+
+def test_blaming_a_node_for_the_steps_stop_is_caught() -> None:
+    week, res = _first(
+        range(2000), "step_stop_blames_nobody", lambda w: Hooks(job_state=_DecidesOnTheFirstSignal)
+    )
+    assert any("root_cause" in str(v) or "restarting" in str(v) for v in res.violations)
     _clean(week)
 
 
