@@ -1177,6 +1177,19 @@ status() {
   scontrol ping && sinfo -N -o '%N %T %G'
 }
 
+deepest_first() { # PID...: the same pids, each before its ancestors among them
+  ps -e -o pid=,ppid= | awk -v want="$*" '
+    BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) mine[w[i]] = 1 }
+    { up[$1] = $2 }
+    END {
+      for (p in mine) {
+        d = 0
+        for (q = p; (q in up) && (up[q] in mine) && d < 4096; q = up[q]) d++
+        print d, p
+      }
+    }' | sort -k1,1nr -k2,2n | awk '{ print $2 }'
+}
+
 kill_node() { # NODE
   local node=$1 pids=() more p n
   valid_node "$node"
@@ -1200,6 +1213,10 @@ kill_node() { # NODE
     log "kill-node $node: nothing runs there"
     return 0
   fi
+  # Children before parents: when a parent dies, the kernel wakes its process group's stopped members
+  # (SIGHUP, SIGCONT) if the group is orphaned; a batch step's srun woken so ran on and ended the step
+  # ("srun: forcing job termination"), which no real node death does. SIGKILL clears a stop at once.
+  mapfile -t pids < <(deepest_first "${pids[@]}")
   kill -KILL "${pids[@]}" 2>/dev/null || true
   log "kill-node $node: SIGKILLed ${#pids[@]} processes; Slurm marks it DOWN after SlurmdTimeout=$(conf_value SlurmdTimeout)s"
   printf '%s\n' "${pids[@]}"
