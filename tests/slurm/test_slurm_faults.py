@@ -298,7 +298,7 @@ def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
     wait_event(run, "progress")
     try:
         kill_whole_node(tb, host)
-        ended = wait_event(run, "attempt_ended", 30, attempt=0)
+        ended = wait_event(run, "attempt_ended", 60, attempt=0)
         assert ended["reason"] == "node_unhealthy" and ended["bad_nodes"] == [host], ended
         rec = wait_state(job_id, ENDED_STATES, 300)
         assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
