@@ -250,9 +250,28 @@ def _shown(e: Mapping[str, Any], cancelled: bool) -> bool:
     )
 
 
+def _requeued_by_slurm_first(started: Mapping[str, Any], before: Mapping[str, Any] | None) -> Row | None:
+    """A row for an attempt that Slurm queued itself, before hpcelastic ended the one ``before`` it (a node
+    failure it acted on first): the same job id again, its restart count higher, and no requeue recorded."""
+    if before is None or started.get("job_id") != before.get("job_id"):
+        return None
+    old, new = before.get("restart_count_slurm"), started.get("restart_count_slurm")
+    if not (isinstance(old, int) and isinstance(new, int) and new > old):
+        return None
+    return Row(
+        float(started.get("ts", 0)),
+        f"requeued as attempt {started.get('attempt')}",
+        f"job {started.get('job_id')} requeued by Slurm itself (restart count {old} -> {new}) before "
+        f"hpcelastic ended attempt {before.get('attempt')}",
+        str(events.REQUEUED),
+    )
+
+
 def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
     """The events as rows; consecutive checkpoint publications collapse into one row."""
     cancelled = any(e.get("event") == events.CANCELLED for e in log)
+    brought_back = {e.get("attempt") for e in log if e.get("event") in (events.REQUEUED, events.RESUBMITTED)}
+    last_started: Mapping[str, Any] | None = None
     rows: list[Row] = []
     batch: list[Mapping[str, Any]] = []
     restores: list[Mapping[str, Any]] = []
@@ -278,6 +297,13 @@ def timeline(log: Sequence[Mapping[str, Any]]) -> list[Row]:
             batch = []
         if not _shown(e, cancelled):
             continue
+        if kind == events.ATTEMPT_STARTED:
+            slurm_first = (
+                None if e.get("attempt") in brought_back else _requeued_by_slurm_first(e, last_started)
+            )
+            if slurm_first is not None:
+                rows.append(slurm_first)
+            last_started = e
         render = _RENDER.get(EventName(kind)) if kind in _KNOWN else None
         shown = (
             render(e)

@@ -210,3 +210,27 @@ def test_the_timeline_says_why_an_attempt_advanced_and_who_ignored_the_stop(tmp_
     text = render_text(build_status(r, lambda ids: {}))
     assert "progress: wrote checkpoint step-9.pt" in text
     assert "rank 3 trained on to step 57 past the stop step 52" in text
+
+
+def test_a_requeue_slurm_made_before_hpcelastic_ended_the_attempt_gets_its_row(tmp_path: Path) -> None:
+    """A node failure Slurm acted on first (it requeued the job itself): the next attempt of the same job
+    started with a higher restart count and no requeue was recorded. A requeue hpcelastic recorded, or a
+    new job, gets no such row."""
+    r = RunDir.create(tmp_path / "run")
+
+    def started(attempt: int, job: str, restarts: int) -> None:
+        fields = {"attempt": attempt, "job_id": job, "restart_count_slurm": restarts, "nodes": ["n1"]}
+        r.record(Event(EventName.ATTEMPT_STARTED, fields))
+
+    started(0, "7", 0)
+    started(1, "7", 1)
+    note = {"job_id": "7", "attempt": 2, "reason": "time_limit", "exclude": [], "by": "hpcelastic"}
+    r.record(Event(EventName.REQUEUED, note))
+    started(2, "7", 2)
+    started(3, "8", 0)
+    rows = [(row.what, row.details) for row in build_status(r, lambda ids: {}).timeline]
+    slurm_rows = [d for w, d in rows if "by Slurm itself" in d]
+    assert slurm_rows == [
+        "job 7 requeued by Slurm itself (restart count 0 -> 1) before hpcelastic ended attempt 0"
+    ]
+    assert [w for w, _ in rows][:3] == ["attempt 0 started", "requeued as attempt 1", "attempt 1 started"]
