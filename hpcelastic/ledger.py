@@ -841,6 +841,12 @@ class _Builder:
                 "lane starts stepping at the job's first step and after a restart when it healed "
                 "(replica_group_healed), and ends at the job's last step"
             )
+        for r in self.log.of(ev.TIER_PERSIST_MISSED):
+            notes.append(
+                f"attempt {r.get('attempt')}: the local checkpoint tier did not persist "
+                f"{r.get('checkpoint')} (step {r.get('step')}) to the checkpoint directory: {r.get('why')}; "
+                "a requeue resumes from the newest persisted one"
+            )
         for inc in self.incidents:
             inc.estimated = list(dict.fromkeys(inc.estimated))
         return Ledger(

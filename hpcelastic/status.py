@@ -182,7 +182,7 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
         else None
     ),
     events.TIER_PERSIST_MISSED: lambda e: (
-        "last checkpoint NOT persisted",
+        "checkpoint NOT persisted",
         f"{e.get('checkpoint')} (step {e.get('step')}): {e.get('why')}",
     ),
     events.TIER_REFUSED: lambda e: ("local checkpoint tier full", str(e.get("why"))),

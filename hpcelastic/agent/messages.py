@@ -308,7 +308,8 @@ class TierHave(Message):
     """What this node now holds of checkpoint ``name``, part ``position`` (the position in the round of the
     node that wrote it): ``kind`` ``own`` (its files settled here; 0 bytes: it wrote none), ``replica`` (a
     peer's part copied here), ``persisted`` (copied to the shared staging directory), ``committed`` (the
-    whole checkpoint is in the checkpoint directory at ``path``), or ``refused`` (``why``: it did not fit)."""
+    whole checkpoint is in the checkpoint directory at ``path``), ``refused`` (``why``: it did not fit), or
+    ``persist_failed`` (``why``: the shared file system failed the copy)."""
 
     TAG = "tier_have"
     name: str

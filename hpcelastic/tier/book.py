@@ -67,6 +67,8 @@ class Checkpoint:
     committed: str = ""
     safe: bool = False
     abandoned: bool = False
+    #: Why a node could not persist its part (the shared file system failed), or "".
+    persist_failed: str = ""
 
     @property
     def complete(self) -> bool:
@@ -241,7 +243,23 @@ class TierBook:
         if msg.kind == "refused":
             host = self.members.get(node_rank, (str(node_rank),))[0]
             return [Say(f"local checkpoint tier on {host}: {msg.why}")]
+        if msg.kind == "persist_failed":
+            return self._persist_failed(c, node_rank, msg.why)
         return []
+
+    def _persist_failed(self, c: Checkpoint, node_rank: int, why: str) -> list[Action]:
+        """A node could not copy its part of ``c`` to the shared file system: the checkpoint is not
+        persisted (said once); a stop waiting for it ends now rather than at the end of its grace."""
+        if c.persist_failed:
+            return []
+        host = self.members.get(node_rank, (str(node_rank),))[0]
+        c.persist_failed = f"{host}: {why}"
+        if self.flushing and not self.flushed and c.persist:
+            return self._flushed(c, ok=False, why=c.persist_failed)
+        event = events.tier_persist_missed(
+            attempt=self.attempt, checkpoint=c.name, step=c.step, why=c.persist_failed
+        )
+        return [Record(event), Say(f"local checkpoint tier: {c.name} not persisted: {c.persist_failed}")]
 
     def _own(self, node_rank: int, msg: messages.TierHave, c: Checkpoint | None) -> list[Action]:
         if c is None or c.abandoned or (c.complete and c.round != self.round and not c.committed):
@@ -355,8 +373,8 @@ class TierBook:
         target = max(complete, key=_newest, default=None)
         if target is None or target.committed:
             return self._flushed(target, ok=True, why="" if target else "no complete checkpoint")
-        if not target.persist:
-            target.persist = True
+        if not target.persist or target.persist_failed:  # a copy the shared file system failed: once more
+            target.persist, target.persist_failed = True, ""
             missing = [p.position for p in target.stored() if not p.holders & set(self.members)]
             if missing:
                 return self._flushed(target, ok=False, why=f"no node holds part {missing[0]} any more")

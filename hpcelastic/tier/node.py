@@ -270,12 +270,28 @@ class LocalTier:
                     messages.TierHave(msg.name, msg.position, "refused", why=f"copy to node {peer}: {e}")
                 )
         if msg.persist:
-            dest = self.checkpoint_dir / SHARED_STAGING / msg.name
+            self._persist(msg.name, msg.position, files)
+
+    def _persist(self, name: str, position: str, files: list[channel.FileRef]) -> None:
+        """Copy this node's files of part ``position`` into the shared staging directory. A shared file
+        system that fails (full, an I/O error) gets this node's partial copy removed and the coordinator a
+        ``persist_failed`` report, so the job's record says it at once."""
+        dest = self.checkpoint_dir / SHARED_STAGING / name
+        written: list[Path] = []
+        try:
             for f in files:
                 target = dest / f.rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                written.append(target)
                 self._copy_file(f.path, target)
-            self.send(messages.TierHave(msg.name, msg.position, "persisted"))
+        except OSError as e:
+            for target in written:
+                with contextlib.suppress(OSError):
+                    target.unlink()
+            why = f"{e.strerror or e} in {self.checkpoint_dir}" if e.strerror else str(e)
+            self.send(messages.TierHave(name, position, "persist_failed", why=why))
+            return
+        self.send(messages.TierHave(name, position, "persisted"))
 
     def _copy_file(self, src: Path, dest: Path) -> None:
         """Copy ``src`` to ``dest`` in throttled chunks (``sendfile``: no copy through Python; unlike

@@ -6,7 +6,9 @@ setting."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +64,10 @@ def test_a_lost_node_s_files_reach_the_survivors_from_its_peer_and_the_job_shrin
     restored = {e["node"]: e for e in log if e["event"] == ev.TIER_RESTORED and e["round"] == last}
     assert set(restored) == {"local0", "local1"} and len({e["checkpoint"] for e in restored.values()}) == 1
     assert "peer" in {e["tier"] for e in restored.values()}, restored
-    assert all(e["step"] >= 15 for e in restored.values()), restored
+    # The newest checkpoint whose every part had its replica before the node was lost, or a newer one whose
+    # replication the coordinator learnt of later (on a loaded machine replication may lag a save or two).
+    safe = [e["step"] for e in log if e["event"] == ev.TIER_REPLICATED and e["ts"] < lost[0]["ts"]]
+    assert all(e["step"] >= max(safe, default=5) for e in restored.values()), (safe, restored)
     assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(STEPS)
     # The killed agent's watchdog removed its node's tier too: nothing stays in the node's memory.
     assert not list(Path("/dev/shm").glob(f"hpce22-local-{tmp_path.name}-*"))
@@ -216,3 +221,53 @@ def test_with_replica_groups_a_restarted_group_heals_from_its_peer_and_restores_
     assert published is not None and Path(published["path"]).parent == run / "checkpoints"
     assert published["step"] == steps
     assert not list(Path("/dev/shm").glob(f"hpce22-rg-{tmp_path.name}-*"))
+
+
+def test_a_full_shared_file_system_is_said_in_the_record_and_training_goes_on(tmp_path: Path) -> None:
+    """The run's checkpoint directory on a file system with no room left (a tmpfs filled up): every persist
+    fails with ENOSPC. Training is not held up and ends with the fault-free model; each failure is one
+    ``tier_persist_missed`` naming the node and the error, the stop's persist is tried once more and said,
+    ``status`` and its ledger say it, and no partial copy is left on the shared file system."""
+    import dataclasses
+    import subprocess
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(shared)], check=True)
+    try:
+        fd = os.open(shared / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # until the file system is full: then every write fails (ENOSPC)
+            while os.write(fd, b"\0" * 4096) > 0:
+                pass
+        os.close(fd)
+        steps = 20
+        spec = tier_run(
+            tmp_path, f"/dev/shm/hpce22-full-{tmp_path.name}-{{node}}", 2, 2,
+            (str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out")),
+        )  # fmt: skip
+        spec = dataclasses.replace(
+            spec, agent_args=(*spec.agent_args, "--checkpoint-dir", str(shared / "ckpt"))
+        )
+        run_dir, agents = start_agents(spec)
+        codes = [a.wait(timeout=240) for a in agents]
+        log = list(RunDir(run_dir.path).events())
+        assert codes == [0, 0], (codes, log[-5:])
+        assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+        missed = [e for e in log if e["event"] == ev.TIER_PERSIST_MISSED]
+        assert missed and all("No space left on device" in e["why"] for e in missed), missed
+        assert {e["why"].split(":")[0] for e in missed} <= {"local0", "local1"}
+        # One per checkpoint, and the last one's retry at the end of the workers once more.
+        names = [e["checkpoint"] for e in missed]
+        last = f"step-{steps:06d}.pt"
+        assert last in names and all(names.count(n) == 1 for n in names if n != last), names
+        assert names.count(last) <= 2, names
+        assert not [e for e in log if e["event"] == ev.TIER_PERSISTED]
+        assert [p.name for p in shared.rglob("*") if p.is_file()] == ["filler"]
+        status = subprocess.run(
+            [sys.executable, "-m", "hpcelastic", "status", str(run_dir.path)], capture_output=True, text=True
+        )
+        assert status.returncode == 0, status.stderr
+        assert "checkpoint NOT persisted" in status.stdout
+        assert "the local checkpoint tier did not persist" in status.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(shared)], check=False)

@@ -190,6 +190,27 @@ def test_a_flush_with_a_part_in_no_memory_says_it_could_not_persist() -> None:
     assert [a.event.name.value for a in actions if isinstance(a, Record)] == ["tier_persist_missed"]
 
 
+def test_a_shared_file_system_that_fails_a_persist_is_said_once_and_retried_once_at_the_stop() -> None:
+    """ENOSPC in the background: one ``tier_persist_missed`` naming the node and the error; at the stop the
+    failed parts are asked once more, and a second failure ends the flush at once (not at the grace's end)."""
+    full = "No space left on device in /shared/ckpt"
+    b = book(nodes=2)
+    start_round(b, 0, {0: 0, 1: 1})
+    complete_checkpoint(b, "step-5", 5)
+    b.have(0, have("step-5", "0", kind="persisted"))
+    actions = b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full))
+    (event,) = [a.event for a in actions if isinstance(a, Record)]
+    assert event.name.value == "tier_persist_missed" and event.fields["why"] == f"n1: {full}"
+    assert b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full)) == []  # said once
+    assert b.flush(0) == []
+    retry = b.flush(1)
+    assert sends(retry, messages.TierComplete) == [(1, messages.TierComplete("step-5", 5, "1", True, ()))]
+    actions = b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full))
+    (flushed,) = {m for _, m in sends(actions, messages.TierFlushed)}
+    assert not flushed.ok and full in flushed.why
+    assert [a.event.name.value for a in actions if isinstance(a, Record)] == ["tier_persist_missed"]
+
+
 def test_a_lost_owner_s_part_is_persisted_from_its_replica() -> None:
     b = book(nodes=3)
     start_round(b, 0, {0: 0, 1: 1})
