@@ -70,6 +70,7 @@ class CoordinatorClient:
         self.lease = liveness.Liveness.starting(time.monotonic(), heartbeat_timeout, probe_timeout)
         self._probe_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._probe_sock.bind(("", 0))
+        self._probe_sock.settimeout(0.5)  # here, not in the thread: the client may close before it runs
         self._probe_addr: tuple[str, int] | None = None
         self._probe_key = b""
         self._probe_counter = 0
@@ -284,7 +285,6 @@ class CoordinatorClient:
 
     def _prober(self) -> None:
         """Answer the coordinator's probes; take its answers to ours as renewals of the lease."""
-        self._probe_sock.settimeout(0.5)
         while not self._closed.is_set():
             try:
                 data, addr = self._probe_sock.recvfrom(256)
