@@ -309,8 +309,9 @@ def ledger_totals(log: Log, now: float) -> LedgerTotals:
     built = ledger.build_ledger(log.view(), now=now)
     outside = (ledger.Phase.PENDING, ledger.Phase.QUEUED)
     inside = sum(s.seconds for s in built.segments if s.phase not in outside)
+    unknown = getattr(built, "unknown_s", 0.0)  # a ledger from before unknown redone work had none
     return LedgerTotals(
-        built.allocated_s, inside, built.productive_s + built.unknown_s + sum(built.badput_by_phase.values())
+        built.allocated_s, inside, built.productive_s + unknown + sum(built.badput_by_phase.values())
     )
 
 
