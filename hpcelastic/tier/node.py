@@ -288,7 +288,7 @@ class LocalTier:
             for target in written:
                 with contextlib.suppress(OSError):
                     target.unlink()
-            why = f"{e.strerror or e} in {self.checkpoint_dir}" if e.strerror else str(e)
+            why = f"{e.strerror} in {self.checkpoint_dir}" if e.strerror else str(e)
             self.send(messages.TierHave(name, position, "persist_failed", why=why))
             return
         self.send(messages.TierHave(name, position, "persisted"))
