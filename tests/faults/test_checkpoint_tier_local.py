@@ -7,6 +7,7 @@ setting."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -228,7 +229,6 @@ def test_a_full_shared_file_system_is_said_in_the_record_and_training_goes_on(tm
     fails with ENOSPC. Training is not held up and ends with the fault-free model; each failure is one
     ``tier_persist_missed`` naming the node and the error, the stop's persist is tried once more and said,
     ``status`` and its ledger say it, and no partial copy is left on the shared file system."""
-    import dataclasses
     import subprocess
 
     shared = tmp_path / "shared"
@@ -271,3 +271,36 @@ def test_a_full_shared_file_system_is_said_in_the_record_and_training_goes_on(tm
         assert "the local checkpoint tier did not persist" in status.stdout
     finally:
         subprocess.run(["umount", "-l", str(shared)], check=False)
+
+
+def test_a_stalled_shared_file_system_costs_the_stop_its_grace_and_no_more(tmp_path: Path) -> None:
+    """The persist of the last checkpoint stalls (its file in staging is a FIFO nobody reads: open blocks, as
+    on a hung NFS mount), in the background and again at the end of the workers. The earlier checkpoints are
+    persisted; the agents stop waiting at the end of the grace period, exit 0 with the fault-free model, and
+    the record says the last checkpoint was not persisted in time."""
+    import subprocess
+
+    steps = 20
+    shared = tmp_path / "shared"
+    last = f"step-{steps:06d}.pt"
+    stall = shared / ".hpcelastic-staging" / last / last
+    stall.parent.mkdir(parents=True)
+    os.mkfifo(stall)
+    spec = tier_run(
+        tmp_path, f"/dev/shm/hpce22-stall-{tmp_path.name}-{{node}}", 2, 2,
+        (str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out")),
+    )  # fmt: skip
+    spec = dataclasses.replace(spec, agent_args=(*spec.agent_args, "--checkpoint-dir", str(shared)))
+    run_dir, agents = start_agents(spec)
+    codes = [a.wait(timeout=240) for a in agents]
+    log = list(RunDir(run_dir.path).events())
+    assert codes == [0, 0], (codes, log[-5:])
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+    persisted = {e["checkpoint"] for e in log if e["event"] == ev.TIER_PERSISTED}
+    assert persisted and last not in persisted, persisted
+    (missed,) = [e for e in log if e["event"] == ev.TIER_PERSIST_MISSED]
+    assert missed["checkpoint"] == last and "grace period ended" in missed["why"], missed
+    status = subprocess.run(
+        [sys.executable, "-m", "hpcelastic", "status", str(run_dir.path)], capture_output=True, text=True
+    )
+    assert status.returncode == 0 and "checkpoint NOT persisted" in status.stdout, status.stdout
