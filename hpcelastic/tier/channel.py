@@ -285,7 +285,8 @@ def _file_list(value: Any) -> list[tuple[str, int]]:
 def _connect(
     address: str, port: int, secret: str, hello: dict[str, Any], attempts: int, within_s: float
 ) -> tuple[socket.socket, protocol.Session, dict[str, Any]]:
-    """A connection the peer accepted: tried again (:data:`ATTEMPTS`) while it goes unanswered."""
+    """A connection the peer accepted, tried again while it goes unanswered (``attempts`` tries at most,
+    none started ``within_s`` after the first)."""
     deadline = time.monotonic() + within_s
     attempt = 1
     while True:
