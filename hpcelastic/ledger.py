@@ -200,6 +200,7 @@ class ResumeSource(Named):
 
     HEARTBEATS = "heartbeats"  # the step the next round resumed after
     CHECKPOINT_OPENED = "checkpoint_opened"  # the checkpoint the next round read
+    TIER_RESTORED = "tier_restored"  # the checkpoint the local tier placed for the next round (or none)
     CHECKPOINT_PUBLISHED = "checkpoint_published"  # the checkpoint handed to the next round
     NO_TRAINING = "no_training"  # the round failed before its first step: nothing to redo
 
@@ -216,7 +217,35 @@ class Resumed:
     what: str = ""
 
 
-def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
+def tier_completed(log: EventLog, name: str, before: float) -> tuple[float, int | None] | None:
+    """When the local tier knew its checkpoint ``name`` complete job-wide, and its step: its newest
+    ``tier_checkpoint`` at or before ``before``, else its ``tier_persisted`` less the persist's duration. The
+    save itself ended up to a scan interval (0.5 s) earlier; a copy's mtime is later (a restore made it)."""
+    done = [r for r in log.of(ev.TIER_CHECKPOINT, checkpoint=name) if (_ts(r) or before + 1) <= before]
+    if done:
+        return float(done[-1]["ts"]), _step(done[-1])
+    kept = [r for r in log.of(ev.TIER_PERSISTED, checkpoint=name) if (_ts(r) or before + 1) <= before]
+    if kept:
+        return float(kept[-1]["ts"]) - (_ts(kept[-1], "duration_s") or 0.0), _step(kept[-1])
+    return None
+
+
+def published_checkpoints(log: EventLog) -> list[Checkpoint]:
+    """The published checkpoints, by when each was complete: a script's publish right after its save, the
+    tier's persist (published by the commit, later) when the tier's checkpoint was complete job-wide."""
+    persisted = {r.get("path"): r for r in log.of(ev.TIER_PERSISTED)}
+    out = []
+    for r in log.of(ev.CHECKPOINT_PUBLISHED):
+        t = _ts(r)
+        if t is None:
+            continue
+        tier = persisted.get(r.get("path"))
+        done = tier_completed(log, str(tier.get("checkpoint")), _ts(tier) or t) if tier is not None else None
+        out.append(Checkpoint(done[0] if done else t, _step(r), r.get("attempt")))
+    return sorted(out, key=lambda c: c.ts)
+
+
+def resumed_from_heartbeats(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
     """The round's first reported step ``s``: it resumed from the state after step ``s - 1``
     (``heartbeat(step)`` is called once ``step`` is done, as the README's loop does)."""
     first = [p for p in sl.of(ev.PROGRESS) if p.get("round") in rounds and isinstance(p.get("step"), int)]
@@ -226,21 +255,49 @@ def resumed_from_heartbeats(sl: EventLog, rounds: frozenset[int]) -> Resumed | N
     return Resumed(ResumeSource.HEARTBEATS, step=step, what=f"after step {step}")
 
 
-def resumed_from_opened(sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
-    """The checkpoint the round's workers read before its first step (``checkpoint_opened``)."""
-    opened = [r for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and _ts(r, "completed_ts")]
-    if not opened:
+def resumed_from_opened(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
+    """The checkpoint the round's workers read before its first step (``checkpoint_opened``), complete when
+    its files were (their mtime), or when the local tier knew it complete if that is earlier: the file read
+    may be a copy a restore made (a peer's part fetched, a persisted copy), whose mtime is the copy's."""
+    opened = next(
+        (r for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and r.get("path")), None
+    )
+    if opened is None:
         return None
+    path, mtime = str(opened["path"]), _ts(opened, "completed_ts")
+    tier = tier_completed(log, path, _ts(opened) or float("inf"))
+    if tier is None and mtime is None:
+        return None
+    completed = min(t for t in (mtime, tier[0] if tier else None) if t is not None)
     return Resumed(
-        ResumeSource.CHECKPOINT_OPENED,
-        completed_ts=_ts(opened[0], "completed_ts"),
-        what=str(opened[0].get("path")),
+        ResumeSource.CHECKPOINT_OPENED, step=tier[1] if tier else None, completed_ts=completed, what=path
     )
 
 
-#: Evidence of what a round resumed from, strongest first; each reads the round's events only. A new
-#: kind (a restore event naming its step, say) is one more function here.
-RESUME_EVIDENCE = (resumed_from_heartbeats, resumed_from_opened)
+def resumed_from_restore(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
+    """The checkpoint the local tier restored for the round (``tier_restored``; weaker than the script's
+    own read: the script may read another): when it was complete job-wide, else when the copy the tier
+    restored from was published. The tier restoring nothing (``none``): the round trained from scratch."""
+    restored = next((r for r in sl.of(ev.TIER_RESTORED) if r.get("round") in rounds), None)
+    if restored is None:
+        return None
+    name = str(restored.get("checkpoint") or "")
+    if restored.get("tier") == ev.RestoreTier.NONE or not name:
+        return Resumed(ResumeSource.TIER_RESTORED, step=0, completed_ts=float("-inf"), what="nothing")
+    at = _ts(restored) or float("inf")
+    done = tier_completed(log, name, at)
+    if done is None:
+        step = _step(restored)
+        found = [c.ts for c in published_checkpoints(log) if c.step == step and c.ts <= at]
+        done = (found[-1], step) if step is not None and found else None
+    if done is None:
+        return None
+    return Resumed(ResumeSource.TIER_RESTORED, step=done[1], completed_ts=done[0], what=name)
+
+
+#: Evidence of what a round resumed from, strongest first; each reads the whole log and the round's
+#: attempt. A new kind (a restore event naming its step, say) is one more function here.
+RESUME_EVIDENCE = (resumed_from_heartbeats, resumed_from_opened, resumed_from_restore)
 
 
 @dataclass
@@ -316,6 +373,11 @@ def _ts(r: Record | None, key: str = "ts") -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _step(r: Record) -> int | None:
+    v = r.get("step")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
 def _failure_text(r: Record) -> str:
     lines = str(r.get("error") or "").strip().splitlines()
     last = f": {lines[-1]}" if lines else ""
@@ -360,11 +422,7 @@ class _Builder:
         self.lanes: list[rl.GroupLane] = []
         self.epochs: list[tuple[rl.Epoch, list[rl.GroupLane], int | None, float]] = []
         self.cursor = self.limit = 0.0
-        self.checkpoints = [
-            Checkpoint(t, r["step"] if isinstance(r.get("step"), int) else None, r.get("attempt"))
-            for r in log.of(ev.CHECKPOINT_PUBLISHED)
-            if (t := _ts(r)) is not None
-        ]
+        self.checkpoints = published_checkpoints(log)
         self.slices = self._slices()
         self.slice_rounds = [self._job_rounds(sl, rl.epochs(sl)) for sl in self.slices]
         self.steps_measured = bool(log.of(ev.PROGRESS))
@@ -458,7 +516,7 @@ class _Builder:
             m, j = later[0]
             rd, rounds = self.slice_rounds[m][j]
             for evidence in RESUME_EVIDENCE:
-                found = evidence(self.slices[m], rounds)
+                found = evidence(self.log, self.slices[m], rounds)
                 if found is not None:
                     return found
             stop = float(rd["ts"])
@@ -489,8 +547,10 @@ class _Builder:
         )
         if resumed.completed_ts is not None:
             kept = min(max(resumed.completed_ts, first), t_fail)
+            # the step reached at the failure is measured by heartbeats only (a checkpoint is a lower bound)
+            beats = any(p.get("round") in rounds for p in sl.of(ev.PROGRESS))
             steps = None
-            if marks and resumed.step is not None:
+            if marks and resumed.step is not None and beats:
                 steps = max(0, marks[-1][0] - max(resumed.step, marks[0][0] - 1))
             return kept, steps, resumed.completed_ts <= first
         if resumed.step is None or not marks:
@@ -601,6 +661,8 @@ class _Builder:
         inc = f.incident
         self.incidents.append(inc)
         index = len(self.incidents) - 1
+        if resumed is not None and resumed.completed_ts is not None:
+            self._redo_since(index, resumed.completed_ts)
         redone_est = False
         if first is None or first >= inc.t_fail:  # no training in the round: nothing to redo
             inc.redone_source = resumed.source if resumed else ResumeSource.NO_TRAINING
@@ -632,6 +694,21 @@ class _Builder:
         self.charge(index, Phase.DETECTION, f.detected, attempt, inc.round, "detection_s" in inc.estimated)
         self.charge(index, Phase.TEARDOWN, stop, attempt, inc.round)
         return index
+
+    def _redo_since(self, index: int, since: float) -> None:
+        """Training of earlier rounds after ``since`` counted productive so far is redone, too, when the next
+        round resumed from an older state than they did (the tier restored an older checkpoint, or none)."""
+        inc, out = self.incidents[index], []
+        for seg in self.segments:
+            if seg.phase is not Phase.PRODUCTIVE or seg.t1 <= since:
+                out.append(seg)
+                continue
+            if seg.t0 < since:
+                out.append(replace(seg, t1=since))
+            out.append(
+                replace(seg, t0=max(seg.t0, since), phase=Phase.REDONE, cause=str(inc.kind), incident=index)
+            )
+        self.segments = out
 
     # ---- one attempt ------------------------------------------------------------------------------
     def attempt(self, sl: EventLog, n: int, recovering: int | None) -> int | None:
@@ -944,6 +1021,7 @@ def redone_text(inc: Incident) -> str:
 _SOURCE_TEXT = {
     ResumeSource.HEARTBEATS: "heartbeats: the next round resumed {}",
     ResumeSource.CHECKPOINT_OPENED: "the next round read checkpoint {}",
+    ResumeSource.TIER_RESTORED: "the local tier restored {} for the next round",
     ResumeSource.CHECKPOINT_PUBLISHED: "the checkpoint published at {}",
     ResumeSource.NO_TRAINING: "no step before the failure",
 }
