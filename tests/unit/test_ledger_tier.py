@@ -8,11 +8,15 @@ at 75 s. The truth is 70 - 61.0 = 9.0 s redone (or, from what the tier saw, 8.6 
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hpcelastic import events as ev
+from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.events import RestoreTier
 from hpcelastic.ledger import Phase, ledger_lines
 from tests.unit.test_ledger import (
@@ -167,3 +171,61 @@ def test_no_step_count_rests_on_checkpoint_marks_alone() -> None:
         )
     ).incidents[0]
     assert inc.redone_steps is None and inc.redone_work_s == pytest.approx(FAILED - KNOWN)
+
+
+# ---- what the agent watches: the tier's live directory, as a restore fills it -------------------------
+def _read(path: Path) -> None:
+    path.read_bytes()
+    time.sleep(0.01)
+
+
+def test_the_watch_sees_reads_through_a_restore_s_links_fetched_files_and_symlinks(tmp_path: Path) -> None:
+    """A restore places a checkpoint in ``live`` as hard links (own files), fetched files (``os.replace``
+    from staging) or a symlink to the persisted copy (a DCP directory, a ``.pt`` file): a worker's read of
+    each is seen and named by its path in ``live``. The old watch did not follow symlinks: a read of a
+    persisted copy was not seen."""
+    live, shared, staging = tmp_path / "live", tmp_path / "shared", tmp_path / "staging"
+    for d in (live, shared, staging):
+        d.mkdir()
+    (shared / "step-30").mkdir()
+    (shared / "step-30" / ".metadata").write_bytes(b"meta")
+    (shared / "step-35.pt").write_bytes(b"pt")
+    (live / "step-30").symlink_to(shared / "step-30")
+    (live / "step-35.pt").symlink_to(shared / "step-35.pt")
+    (tmp_path / "own.pt").write_bytes(b"own")
+    os.link(tmp_path / "own.pt", live / "step-20.pt")
+    (staging / "step-25.pt").write_bytes(b"peer")
+    os.replace(staging / "step-25.pt", live / "step-25.pt")
+    cases = [
+        (live / "step-20.pt", "step-20.pt"),
+        (live / "step-25.pt", "step-25.pt"),
+        (live / "step-30" / ".metadata", "step-30"),
+        (live / "step-35.pt", "step-35.pt"),
+    ]
+    for file, checkpoint in cases:
+        watch = ResumeWatch(str(live), 1)
+        try:
+            _read(file)
+            seen = watch.take()
+            assert seen == str(file), (file, seen)
+            assert describe(watch.root, seen).path == checkpoint
+        finally:
+            watch.close()
+
+
+def test_the_agent_s_own_reads_are_not_the_workers(tmp_path: Path) -> None:
+    """The tier's scan reads the live directory's files (it judges a ``torch.save`` archive by its end)
+    while the watch is armed: those reads are dropped; a worker's read before the scan is kept."""
+    (tmp_path / "step-15.pt").write_bytes(b"old")
+    (tmp_path / "step-20.pt").write_bytes(b"new")
+    watch = ResumeWatch(str(tmp_path), 1)
+    try:
+        with watch.own_reads():
+            _read(tmp_path / "step-15.pt")  # the scan
+        assert not watch.pending and watch.take() is None
+        _read(tmp_path / "step-20.pt")  # the worker
+        with watch.own_reads():
+            _read(tmp_path / "step-15.pt")
+        assert watch.pending and watch.take() == str(tmp_path / "step-20.pt")
+    finally:
+        watch.close()
