@@ -189,6 +189,7 @@ class Coordinator:
             messages.StacksReport: self._on_stacks_report,
             messages.Progress: self._on_progress,
             messages.StepReport: self._on_step_report,
+            messages.Saving: self._on_saving,
             messages.Heartbeat: self._on_heartbeat,
             messages.TierHave: self._on_tier_have,
             messages.TierFlush: self._on_tier_flush,
@@ -398,6 +399,9 @@ class Coordinator:
 
     def _on_step_report(self, msg: messages.StepReport, conn: _Conn) -> None:
         self._apply(self.state.step_report(_rank(conn), msg.round, msg.step, msg.rate))
+
+    def _on_saving(self, msg: messages.Saving, conn: _Conn) -> None:
+        self._apply(self.state.saving(_rank(conn), msg.round, msg.saving, msg.idle_s))
 
     def _on_stall_report(self, msg: messages.StallReport, conn: _Conn) -> None:
         self._apply(self.state.stall_report(_rank(conn), msg))

@@ -16,7 +16,7 @@ spare in its place, so the world size stays the same while spares last.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,35 @@ class LostNode:
     signalled: bool = False
 
 
+@dataclass(frozen=True)
+class NodeSaves:
+    """One node's last :class:`~hpcelastic.agent.messages.Saving` report: whether a worker of it writes a
+    checkpoint file now, and when one last did (the coordinator's clock; None: none seen)."""
+
+    saving: bool
+    last: float | None
+
+
+@dataclass(frozen=True)
+class JobSaves:
+    """The whole job's saves during a stop: some node writes (``saving``), or none does and none has since
+    ``quiet_since`` (None: no node saw a save)."""
+
+    saving: bool
+    quiet_since: float | None = None
+
+
+def job_saves(reports: Mapping[int, NodeSaves], nodes: Collection[int]) -> JobSaves | None:
+    """The job-wide verdict over ``nodes`` (the round's nodes whose workers may still take part in a save):
+    None until each has reported (a node not heard from may be writing), saving while any is, else quiet
+    since the latest write any of them saw."""
+    if not all(n in reports for n in nodes):
+        return None
+    if any(reports[n].saving for n in nodes):
+        return JobSaves(True)
+    return JobSaves(False, max((t for n in nodes if (t := reports[n].last) is not None), default=None))
+
+
 class JobState:
     """Membership, rounds and the restart budget of one job attempt."""
 
@@ -199,6 +228,11 @@ class JobState:
         #: After a preemption signal: each round node's (highest step, steps/s) until the stop step is fixed.
         self.step_reports: dict[int, tuple[int | None, float]] = {}
         self.step_deadline: float | None = None
+        #: After a preemption signal: each round node's saves (``Saving``), the round it runs (with replica
+        #: groups each group has its own), and what every node was last told.
+        self.saves: dict[int, NodeSaves] = {}
+        self.save_rounds: dict[int, int] = {}
+        self.saves_told: JobSaves | None = None
         #: node rank -> (round, report) of its last stall report; a hang being localized.
         self.stall_reports: dict[int, tuple[int, messages.StallReport]] = {}
         self.hang: _Hang | None = None
@@ -316,7 +350,7 @@ class JobState:
         self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, self.round, signalled_at))
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.NODE_LOST)
-        return actions + self._check_stopped()
+        return actions + self._check_stopped() + self._tell_saves()
 
     # ---- rounds -----------------------------------------------------------------------------
     def _start_round(self) -> list[Action]:
@@ -385,6 +419,10 @@ class JobState:
         self._round_nodes = nodes
         self._alive_nodes = {n for n in nodes if n in self.members}
 
+    def _current(self, node_rank: int, round_: int) -> bool:
+        """Whether ``round_`` is the round ``node_rank`` runs now (replica groups: its group's)."""
+        return round_ == self.round
+
     def _alive_round_nodes(self) -> set[int]:
         """The round's nodes that are still members (the state's own set: callers never change it)."""
         return self._alive_nodes
@@ -433,7 +471,7 @@ class JobState:
             return []
         actions = self._record(node_rank, failures)
         self.stopped.add(node_rank)
-        return actions + self._check_stopped()
+        return actions + self._check_stopped() + self._tell_saves()
 
     def workers_done(self, node_rank: int, round_: int) -> list[Action]:
         """An agent's workers all exited 0 (exit barrier): success once every node is done."""
@@ -454,6 +492,7 @@ class JobState:
         self.stopped = set()
         self.deadline = self._now() + self.stop_timeout
         self.step_reports, self.step_deadline = {}, self._now() + REPORT_TIMEOUT_S
+        self.saves, self.save_rounds, self.saves_told = {}, {}, None
         return [Send(n, messages.Preempt(self.round, signal)) for n in sorted(self.members)]
 
     def step_report(self, node_rank: int, round_: int, step: int | None, rate: float) -> list[Action]:
@@ -472,6 +511,32 @@ class JobState:
         text = f"every rank stops after step {step}" if step is not None else "no heartbeats: stop at once"
         stop = messages.StopAt(self.round, step)
         return [Say(text), *(Send(n, stop) for n in sorted(self._alive_round_nodes()))]
+
+    def saving(self, node_rank: int, round_: int, saving: bool, idle_s: float | None) -> list[Action]:
+        """A round node's saves changed during the stop (``idle_s``: since its last write); every round node
+        hears the job's when that changes."""
+        current = self._current(node_rank, round_) and node_rank in self._alive_nodes
+        if not current or self.phase is not Phase.PREEMPTING:
+            return []
+        now = self._now()
+        last = now if saving else None if idle_s is None else now - idle_s
+        self.saves[node_rank] = NodeSaves(saving, last)
+        self.save_rounds[node_rank] = round_
+        return self._tell_saves()
+
+    def _tell_saves(self) -> list[Action]:
+        """Every round node still stopping hears the job-wide verdict (:func:`job_saves`) when it changed: a
+        node whose workers are gone takes no part in a save any more."""
+        if self.phase is not Phase.PREEMPTING:
+            return []
+        nodes = self._alive_nodes - self.stopped
+        verdict = job_saves(self.saves, nodes)
+        if verdict is None or verdict == self.saves_told:
+            return []
+        self.saves_told = verdict
+        since, saving = verdict.quiet_since, verdict.saving
+        quiet = None if saving or since is None else max(0.0, self._now() - since)
+        return [Send(n, messages.JobSaving(self.save_rounds[n], saving, quiet)) for n in sorted(nodes)]
 
     def progress(self, node_rank: int, round_: int, step: int, ts: float, ranks: int) -> list[Action]:
         """An agent's highest step: a ``progress`` event for the round's first step, then at most one per

@@ -302,6 +302,22 @@ class StacksReport(Message):
         return cls(int(d["round"]), stacks, tuple(_node_rank(r) for r in d.get("unreachable", [])))
 
 
+@dataclass(frozen=True)
+class Saving(Message):
+    """While a stop is under way, sent only when it changes: whether a worker of this node holds a file in the
+    checkpoint directory open for writing (``saving``); ``idle_s``: how long ago one last did (None: none
+    seen)."""
+
+    TAG = "saving"
+    round: int
+    saving: bool
+    idle_s: float | None = None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Saving:
+        return cls(int(d["round"]), bool(d["saving"]), _optional_float(d.get("idle_s")))
+
+
 # ---- the local checkpoint tier (hpcelastic/tier/): agent -> coordinator ---------------------------
 @dataclass(frozen=True)
 class TierHave(Message):
@@ -464,6 +480,22 @@ class StopAt(Message):
     def from_wire(cls, d: Mapping[str, Any]) -> StopAt:
         step = d.get("step")
         return cls(int(d["round"]), None if step is None else int(step))
+
+
+@dataclass(frozen=True)
+class JobSaving(Message):
+    """Answer to every node's :class:`Saving`, sent to each round node when it changes: some node of the job
+    is saving a checkpoint (``saving``), or none is and none has for ``quiet_s`` seconds (None: no node saw
+    a save)."""
+
+    TAG = "job_saving"
+    round: int
+    saving: bool
+    quiet_s: float | None = None
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> JobSaving:
+        return cls(int(d["round"]), bool(d["saving"]), _optional_float(d.get("quiet_s")))
 
 
 @dataclass(frozen=True)
@@ -640,6 +672,7 @@ FROM_AGENT = _table(
     StallReport,
     StacksReport,
     StepReport,
+    Saving,
     TierHave,
     TierFlush,
 )
@@ -650,6 +683,7 @@ FROM_COORDINATOR = _table(
     Stop,
     Preempt,
     StopAt,
+    JobSaving,
     Finish,
     DumpStacks,
     TierQuery,
