@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 import selectors
 import signal
@@ -39,7 +40,8 @@ from hpcelastic.tier.node import SCAN_INTERVAL_S
 EVENT_FLUSH_TIMEOUT = 10.0
 #: While stopping: how often the agent looks for workers it must stop itself (see :func:`ignores_stop`).
 STOP_CHECK_INTERVAL = 0.25
-#: A worker is stopped only when no file in the checkpoint dir was open for writing for this long.
+#: A worker is stopped only when no file in the checkpoint dir was open for writing for this long, on any
+#: node of the job (see :func:`quiet_enough`).
 STOP_QUIET_S = 0.5
 
 
@@ -49,6 +51,20 @@ def ignores_stop(step: int | None, stop_step: int | None, step_at_stop: int | No
     if step is None or stop_step is None:
         return False
     return step > max(stop_step, -1 if step_at_stop is None else step_at_stop + 1)
+
+
+def quiet_enough(
+    now: float, node_last_save: float | None, job_quiet_since: float | None, coordinated: bool
+) -> bool:
+    """Whether the stop check may stop a worker now: no worker of this node held a checkpoint file open for
+    writing for :data:`STOP_QUIET_S` (``node_last_save``: when one last did), and, while the coordinator
+    hears this node's saves (``coordinated``), no worker of any node did either, by its word
+    (``job_quiet_since``, this node's clock: None while some node saves or before the word came)."""
+    if node_last_save is not None and now - node_last_save < STOP_QUIET_S:
+        return False
+    if not coordinated:
+        return True
+    return job_quiet_since is not None and now - job_quiet_since >= STOP_QUIET_S
 
 
 class State(enum.Enum):
@@ -85,6 +101,11 @@ class NodeLoop:
         self.stop_at: int | None = None
         self.steps_at_stop: dict[int, int | None] = {}
         self.stopped_here: set[int] = set()
+        #: While stopping: whether this node saves, as last told to the coordinator (None: not yet), whether
+        #: that reached it, and since when the whole job is quiet by its word (``JobSaving``).
+        self.saving_sent: bool | None = None
+        self.saves_coordinated = False
+        self.job_quiet_since: float | None = None
         #: Which checkpoint the current round opens before its first step (group rank 0 only).
         self.resume_watch: ResumeWatch | None = None
         #: The local checkpoint tier's flush at the end of the workers: what to send once the coordinator
@@ -98,6 +119,7 @@ class NodeLoop:
             messages.Stop: self._on_stop,
             messages.Preempt: self._on_preempt,
             messages.StopAt: self._on_stop_at,
+            messages.JobSaving: self._on_job_saving,
             messages.Finish: self._on_finish,
             messages.Lost: self._on_lost,
             messages.DumpStacks: self._on_dump_stacks,
@@ -485,14 +507,18 @@ class NodeLoop:
 
     def _stop_when_not_saving(self) -> None:
         """Stop, while grace remains, the workers that will not stop on their own (no handler for the stop
-        signal, or training past the stop step), once no worker of this node has held a checkpoint file
-        open for writing for :data:`STOP_QUIET_S` (a rank done with its shard may be needed to finish the
-        save of another)."""
+        signal, or training past the stop step), once no worker of the job has held a checkpoint file open
+        for writing for :data:`STOP_QUIET_S` (:func:`quiet_enough`): a rank done with its shard may be
+        needed, on any node, to finish the save of another. This node's saves go to the coordinator when
+        they change."""
         group = self.rt.group
+        checked = time.monotonic()
         group.note_saves()
         now = time.monotonic()
         running = group.running()
-        if any(w.last_save is not None and now - w.last_save < STOP_QUIET_S for w in running):
+        last = max((w.last_save for w in running if w.last_save is not None), default=None)
+        self._report_saving(last is not None and last >= checked, None if last is None else now - last)
+        if not quiet_enough(now, last, self.job_quiet_since, self.saves_coordinated):
             return
         for w in running:
             ignored = ignores_stop(w.step, self.stop_at, self.steps_at_stop.get(w.rank))
@@ -502,6 +528,22 @@ class NodeLoop:
                 self._record_stop_ignored(w.rank, w.step, self.stop_at)
             self.stopped_here.add(w.rank)
             group.terminate(w)
+
+    def _report_saving(self, saving: bool, idle_s: float | None) -> None:
+        """Tell the coordinator whether this node saves, when that changed (the first check always): without
+        it (no connection) the stop check goes by this node's saves alone."""
+        if saving == self.saving_sent or self.round is None:
+            return
+        self.saving_sent = saving
+        self.saves_coordinated = self.rt.client.send(messages.Saving(self.round.round, saving, idle_s))
+
+    def _on_job_saving(self, msg: messages.JobSaving) -> None:
+        if self.round is None or msg.round != self.round.round:
+            return
+        if msg.saving:
+            self.job_quiet_since = None
+        else:
+            self.job_quiet_since = -math.inf if msg.quiet_s is None else time.monotonic() - msg.quiet_s
 
     def _record_stop_ignored(self, rank: int, step: int, stop_step: int) -> None:
         rt = self.rt
