@@ -258,7 +258,8 @@ def resumed_from_heartbeats(log: EventLog, sl: EventLog, rounds: frozenset[int])
 def resumed_from_opened(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
     """The checkpoint the round's workers read before its first step (``checkpoint_opened``), complete when
     its files were (their mtime), or when the local tier knew it complete if that is earlier: the file read
-    may be a copy a restore made (a peer's part fetched, a persisted copy), whose mtime is the copy's."""
+    may be a copy a restore made (a peer's part fetched, a persisted copy), whose mtime is the copy's. A
+    checkpoint complete after the round began is no resume: the round saved it."""
     opened = next(
         (r for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and r.get("path")), None
     )
@@ -269,6 +270,9 @@ def resumed_from_opened(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> 
     if tier is None and mtime is None:
         return None
     completed = min(t for t in (mtime, tier[0] if tier else None) if t is not None)
+    begun = [t for r in sl.of(ev.RENDEZVOUS) if r.get("round") in rounds and (t := _ts(r)) is not None]
+    if begun and completed >= min(begun):  # the round's own save, read by someone (the tier's scan)
+        return None
     return Resumed(
         ResumeSource.CHECKPOINT_OPENED, step=tier[1] if tier else None, completed_ts=completed, what=path
     )

@@ -173,6 +173,16 @@ def test_no_step_count_rests_on_checkpoint_marks_alone() -> None:
     assert inc.redone_steps is None and inc.redone_work_s == pytest.approx(FAILED - KNOWN)
 
 
+def test_a_read_of_a_checkpoint_the_round_saved_itself_is_no_resume() -> None:
+    """The tier restored nothing; the watch saw a read of step-5, saved by round 1 itself at 90 s (the tier's
+    scan judging it). The old ledger took it (kept until the failure: 0.0 s redone); round 1 trained from
+    scratch."""
+    inc = ledger(
+        run(restored(75.5, 1, "", None, RestoreTier.NONE), read(90.2, "step-5", mtime=90.0))
+    ).incidents[0]
+    assert inc.redone_source == "tier_restored" and inc.redone_work_s == pytest.approx(FAILED - 2.0)
+
+
 # ---- what the agent watches: the tier's live directory, as a restore fills it -------------------------
 def _read(path: Path) -> None:
     path.read_bytes()
