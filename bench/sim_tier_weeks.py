@@ -1,0 +1,154 @@
+"""Simulated weeks with the checkpoint tier (hpcelastic/sim/tier.py): invariant violations, this tree's book
+and node against an older tree's.
+
+Runs seeds 0..N-1 through ``python -m hpcelastic.sim.tier --json`` in subprocesses, once with this tree and
+once with the tree of ``--old`` (a directory, or a commit checked out as a git worktree; default 055b1be,
+the code before issue 27), into which this tree's ``hpcelastic/sim`` is copied (the simulation drives
+either version's TierBook and LocalTier). Writes the ``sim_tier_weeks`` section of bench/RESULTS.md.
+
+    python bench/sim_tier_weeks.py [--weeks 10000] [--old 055b1be | --old /tmp/before055]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import machine_line, update_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = 2
+SECTION = "sim_tier_weeks"
+DESCRIPTION = " ".join(
+    (
+        "each week is one job over up to 4 attempts, driving the tree's own TierBook and LocalTier",
+        "(its messages, drops and restores; the files, copies and scans modelled): saves (DCP, a file per",
+        "rank, rank 0 alone) torn by a round's end, messages delayed (each connection in order), copies to",
+        "peers failing (peer gone, budget, reset), persists failing (filesystem full) or dying half-way,",
+        "node deaths, worker crashes, spares, stops that flush, requeues seeded from the published",
+        "checkpoint. Invariants (hpcelastic/sim/tier_invariants.py), checked at every step: `restore_holds`",
+        "(a plan's sources and a node's restore hold the part whole), `published_whole` (a committed,",
+        "published checkpoint is complete in every part), `last_copy_kept` (no deletion takes the last",
+        "whole copy of the newest restorable checkpoint), `newest_restored` (no round restores older than",
+        "the newest checkpoint restorable in fact).",
+    )
+)
+INVARIANTS = ("restore_holds", "published_whole", "last_copy_kept", "newest_restored")
+
+
+def old_tree(old: str) -> Path:
+    """The older tree (a directory as given, or a worktree of a commit made once), holding this tree's sim."""
+    path = Path(old)
+    if not path.is_dir():
+        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcelastic-sim-{old}"
+        if not (path / "hpcelastic").is_dir():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), old], check=True
+            )
+    shutil.rmtree(path / "hpcelastic" / "sim", ignore_errors=True)
+    shutil.copytree(ROOT / "hpcelastic" / "sim", path / "hpcelastic" / "sim")
+    return path
+
+
+def run_weeks(tree: Path, weeks: int) -> tuple[list[dict[str, Any]], float]:
+    """Every week's JSON line, seeds 0..weeks-1, run with the code in ``tree``; and the seconds."""
+    t0 = time.perf_counter()
+    share = -(-weeks // JOBS)
+
+    def chunk(first: int) -> str:
+        argv = ["--seed", str(first), "--weeks", str(min(share, weeks - first)), "--json"]
+        return subprocess.run(
+            [sys.executable, "-m", "hpcelastic.sim.tier", *argv],
+            cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            capture_output=True,
+            text=True,
+        ).stdout
+
+    with ThreadPoolExecutor(JOBS) as pool:
+        outs = list(pool.map(chunk, range(0, weeks, share)))
+    rows = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
+    return rows, time.perf_counter() - t0
+
+
+def first_seeds(rows: list[dict[str, Any]], most: int = 6) -> str:
+    """Per violated invariant: the first seeds (``python -m hpcelastic.sim.tier --seed N`` replays one)."""
+    seeds: dict[str, list[int]] = {}
+    for r in rows:
+        for v in r["violations"]:
+            seeds.setdefault(v, []).append(r["seed"])
+    shown = [
+        f"`{v}`: seeds {', '.join(map(str, s[:most]))}{' ...' if len(s) > most else ''}"
+        for v, s in sorted(seeds.items())
+    ]
+    return "; ".join(shown) or "none"
+
+
+def table(by: dict[str, list[dict[str, Any]]]) -> list[str]:
+    names = list(by)
+    out = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    out.append("| weeks | " + " | ".join(str(len(rows)) for rows in by.values()) + " |")
+    broken = {n: sum(1 for r in rows if r["violations"]) for n, rows in by.items()}
+    out.append("| weeks breaking any invariant | " + " | ".join(str(broken[n]) for n in names) + " |")
+    counts = {n: collections.Counter(v for r in rows for v in r["violations"]) for n, rows in by.items()}
+    for inv in INVARIANTS:
+        out.append(f"| weeks breaking `{inv}` | " + " | ".join(str(counts[n][inv]) for n in names) + " |")
+    for tier in ("local", "peer", "persisted", "none"):
+        cells = [str(sum(r["restores"].get(tier, 0) for r in rows)) for rows in by.values()]
+        out.append(f"| node restores from `{tier}` | " + " | ".join(cells) + " |")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weeks", type=int, default=10_000)
+    parser.add_argument("--old", default="055b1be", help="the older tree: a directory or a commit")
+    args = parser.parse_args()
+    old = old_tree(args.old)
+    new_rows, new_s = run_weeks(ROOT, args.weeks)
+    old_rows, old_s = run_weeks(old, args.weeks)
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    old_commit = subprocess.run(
+        ["git", "-C", str(old), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    new_name, old_name = f"this tree (HEAD {head} + working tree)", f"before ({old_commit or args.old})"
+    nodes = collections.Counter(r["nodes"] for r in new_rows)
+    md = [
+        "## Simulated weeks with the checkpoint tier (bench/sim_tier_weeks.py)",
+        "",
+        machine_line(),
+        "",
+        f"{args.weeks} simulated weeks (seeds 0-{args.weeks - 1}; nodes: "
+        + ", ".join(f"{n} x{c}" for n, c in sorted(nodes.items()))
+        + ") of hpcelastic/sim/tier.py: "
+        + DESCRIPTION,
+        "",
+        *table({new_name: new_rows, old_name: old_rows}),
+        "",
+        f"Run time: this tree {new_s:.0f} s, before {old_s:.0f} s ({JOBS} processes each).",
+        "",
+        f"Violations, {old_name}: {first_seeds(old_rows)}.",
+        "",
+        f"Violations, {new_name}: {first_seeds(new_rows)}.",
+    ]
+    update_section(SECTION, "\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
