@@ -1,10 +1,11 @@
 """What the tier_libs training scripts share (none of it imports hpcelastic): the arguments, the tiny model
 and its batch of each step, the faults, rank 0's log lines and the digest of the final parameters.
 
-Steps count completed optimizer steps: ``saved 10`` and ``resumed 10`` mean 10 steps done (the checkpoint's
-number is 10); every round of rank 0 prints one ``resumed N`` (0: a fresh start). Each step's data comes from
-``torch.Generator().manual_seed(step)``, so a run ends with the same parameters whichever checkpoint it
-resumed from, as long as the checkpoint held the model and optimizer state.
+Steps count completed optimizer steps: ``saved 10`` and ``resumed 10`` mean 10 steps done (the
+checkpoint's number is 10); every round of every rank prints one ``resumed N`` (0: a fresh start), rank 0
+the other lines. Each step's data comes from ``torch.Generator().manual_seed(step)``, so a run ends with
+the same parameters whichever checkpoint it resumed from, as long as the checkpoint held the model and
+optimizer state.
 
 Faults, by arguments only: ``--crash-at-step N`` SIGKILLs ``--crash-rank`` when N steps are done (between two
 saves), only while ``TORCHELASTIC_RESTART_COUNT`` is ``--crash-restart``; ``--crash-mid-save N`` SIGKILLs rank
@@ -62,10 +63,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def log(what: str, step: int) -> None:
-    """One rank-0 line ``<what> <step>``."""
-    if rank() == 0:
+def log(what: str, step: int, every_rank: bool = False) -> None:
+    """One rank-0 line ``<what> <step>`` (with ``every_rank``, one in each rank's log)."""
+    if every_rank or rank() == 0:
         print(f"{what} {step}", flush=True)
+
+
+def resumed(step: int) -> None:
+    """Each rank's line of the step its round resumed from (0: a fresh start)."""
+    log("resumed", step, every_rank=True)
 
 
 def build_model() -> torch.nn.Module:
@@ -74,9 +80,11 @@ def build_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
-def batch(step: int, of_rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``of_rank``'s batch of the step after ``step`` steps done."""
-    g = torch.Generator().manual_seed(step * 1000 + (rank() if of_rank is None else of_rank))
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of the step after ``step`` steps done, the same on every rank: the ranks' gradients are
+    equal, so their sum is the same in any order (a resumed DDP rebuilds its buckets, and the ring
+    all-reduce of more than 2 ranks sums each bucket's chunks in an order that depends on where they fall)."""
+    g = torch.Generator().manual_seed(step)
     return torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
 
 
@@ -169,7 +177,7 @@ def train(
 ) -> None:
     """The training loop from ``start`` steps done: each step's batch, the between-saves fault, a save every
     ``--save-every`` steps (``save(done)``), rank 0's lines."""
-    log("resumed", start)
+    resumed(start)
     for done in range(start, args.steps):
         maybe_crash(args, done)
         optimizer.zero_grad()

@@ -58,7 +58,7 @@ class Lines(TrainerCallback):
         self.args = args
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        common.log("resumed", state.global_step)
+        common.resumed(state.global_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         common.maybe_crash(self.args, state.global_step)

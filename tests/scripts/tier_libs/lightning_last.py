@@ -42,7 +42,7 @@ class Checkpoints(ModelCheckpoint):
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         super().on_train_start(trainer, module)
-        common.log("resumed", trainer.global_step)
+        common.resumed(trainer.global_step)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *a: Any, **kw: Any) -> None:
         common.maybe_crash(self.script_args, trainer.global_step)
