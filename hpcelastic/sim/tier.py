@@ -35,12 +35,15 @@ from hpcelastic.agent.job_state import Send
 from hpcelastic.sim.tier_invariants import TierChecker, Violation
 from hpcelastic.tier import channel, scan
 from hpcelastic.tier.book import TierBook
-from hpcelastic.tier.node import LocalTier
+from hpcelastic.tier.node import LocalTier, Restored
 
 #: This tree's node reports drops and judges saves by the script's behaviour (older ones did neither).
 NEW_NODE = hasattr(LocalTier, "_notice_changes")
 #: ``_report_own`` takes whether the part completes the checkpoint (older ones read the entry's marker).
 REPORT_FINAL = "final" in inspect.signature(LocalTier._report_own).parameters
+_TIDY_ARGS = frozenset(
+    inspect.signature(getattr(LocalTier, "_tidy_live", lambda self, keep: None)).parameters
+)
 _ROUND_FIELDS = frozenset(f.name for f in dataclasses.fields(messages.Round))
 SHARED = PurePosixPath("/shared")
 #: Save styles: DCP (shards everywhere, ``.metadata`` last on position 0), a ``torch.save`` file per rank
@@ -207,6 +210,15 @@ class NodeFiles:
     def used(self) -> int:
         live = sum(c.size for files in self.live.values() for c in files.values())
         return live + sum(c.size for by in self.replicas.values() for fs in by.values() for c in fs.values())
+
+
+def _snapshot(files: NodeFiles) -> NodeFiles:
+    """A copy of ``files`` as they were (a dead node's, for the invariants)."""
+    copy = NodeFiles(files.world, files.rank)
+    copy.live = {n: dict(fs) for n, fs in files.live.items()}
+    copy.links = dict(files.links)
+    copy.replicas = {p: {n: dict(fs) for n, fs in by.items()} for p, by in files.replicas.items()}
+    return copy
 
 
 class SimPath:
@@ -431,10 +443,21 @@ class SimNode(LocalTier):
             del self.world.shared.staging[name]
 
     # ---- restores (the real _restore_plan and _place_part around these) ----
-    def _tidy_live(self, keep: str) -> None:
-        """Saves proven torn go aside (out of the script's sight); nothing else is deleted."""
+    def restore(self, round: int) -> Restored:
+        """As the real one, without its I/O (the throttle, the step clocks): this round's plan, placed."""
+        plan = self._restore.pop(round, [])
+        for r in [r for r in self._restore if r < round]:
+            del self._restore[r]
+        return self._restore_plan(round, plan) if plan else Restored(None)
+
+    def _tidy_live(self, keep: str, keep_step: int | None = None, *, newer_aside: bool = False) -> None:
+        """Saves proven torn go aside (out of the script's sight); with the restored step given (this tree),
+        so do this node's files of newer saves it never heard complete. Nothing is deleted."""
+        newer_aside = newer_aside or "keep_step" in _TIDY_ARGS
         for name in [n for n in self.files.live if n != keep]:
-            if self.world.entry(self, name).torn:
+            step = scan.step_of(name)
+            newer = newer_aside and step is not None and (keep_step is None or step > keep_step)
+            if self.world.entry(self, name).torn or (newer and name not in self._complete):
                 self.files.remove(("live", name))
                 self._known.discard(name)
         self._queried.clear()
@@ -529,6 +552,8 @@ class World:
         self.reported: set[tuple[int, str, str]] = set()
         self.unheard_drops: dict[tuple[int, str, str], int] = {}
         self.known_dead: set[int] = set()
+        #: What dead nodes held, until the coordinator hears of their death (what the job could know).
+        self.ghosts: dict[int, NodeFiles] = {}
         self.saves_begun = 0
         self.rounds = 0
         self.round = -1
@@ -589,6 +614,7 @@ class World:
         self.restarts = 0
         self.nodes = {}
         self.known_dead = set()
+        self.ghosts = {}
         self._link_at = {}
         self.reported = set()
         self.unheard_drops = {}
@@ -790,6 +816,7 @@ class World:
         if node is None or not node.alive:
             return
         node.alive = False
+        self.ghosts[rank] = _snapshot(node.files)
         node.files.live.clear()
         node.files.links.clear()
         node.files.replicas.clear()
@@ -801,6 +828,7 @@ class World:
         if self.attempt_over or rank in self.known_dead:
             return
         self.known_dead.add(rank)
+        self.ghosts.pop(rank, None)
         self.apply(self.book.lost(rank))
         if rank in self.round_nodes and not self.stopping:
             self.stop_workers()

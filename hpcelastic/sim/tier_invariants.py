@@ -6,7 +6,8 @@ step that could break it (each plan, restore, commit and deletion, as it happens
   copy that truly exists whole; and a node's restore that succeeds placed every part whole.
 - ``published_whole``: a checkpoint committed and published is complete in every part.
 - ``last_copy_kept``: no deletion by the tier removes the last whole copy of a part of the newest
-  checkpoint restorable in fact (complete job-wide, every part whole on a live node, or committed whole).
+  checkpoint restorable in fact (complete job-wide, every part whole on a live node, or committed whole);
+  a node whose death the coordinator has not heard of yet still counts (no rule can know it is gone).
 - ``newest_restored``: a round restores no older a checkpoint than the newest complete one restorable in
   fact from what the coordinator has been told (parts reported held by live nodes, copies committed).
 """
@@ -224,7 +225,8 @@ def _holds(
 ) -> bool:
     node = w.nodes[rank]
     if not node.alive:
-        return False
+        ghost = w.ghosts.get(rank) if extra is not None else None  # dead, and no one can know yet
+        return ghost is not None and ghost.holds(pos, want)
     if told and (rank, next(iter(want.values()))[0][2], pos) not in w.reported:
         return False
     if node.files.holds(pos, want):
