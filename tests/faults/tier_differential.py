@@ -30,8 +30,8 @@ from tests.slurm_utils import leaked_processes
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "tier_libs"
 STEPS, SAVE_EVERY, STEP_TIME = 20, 5, 0.4
-#: Both runs of a pair together, from the agents' start to their end.
-TIMEOUT_S = 300
+#: Both runs of a pair together, from the agents' start to their end (a machine shared and loaded).
+TIMEOUT_S = 480
 #: Files that may be ``torch.save`` archives: a complete one has its zip end record.
 ARCHIVES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -140,10 +140,16 @@ class Outcome:
         )
 
 
+def shm_prefix(tmp_path: Path) -> str:
+    """The tier directories' name, unique to the test (pytest cuts ``tmp_path.name`` to 30 characters, the
+    same in every xdist worker: its parent, ``popen-gwN``, tells them apart)."""
+    return f"hpce27-{tmp_path.parent.name}-{tmp_path.name}"
+
+
 def spec(tmp_path: Path, layout: Layout, fault: Fault, tier: bool) -> LocalRun:
     """``hpcelastic run`` of the layout's script under the fault, with the tier or without."""
     where = tmp_path / ("tier" if tier else "shared")
-    template = f"/dev/shm/hpce27-{tmp_path.name}-{{node}}"
+    template = f"/dev/shm/{shm_prefix(tmp_path)}-{{node}}"
     program = (
         str(SCRIPTS / layout.script), *layout.args, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
         "--step-time", str(STEP_TIME), "--out", str(where / "final.json"), *fault.args,
@@ -206,7 +212,7 @@ def run_pair(tmp_path: Path, layout: Layout, fault: Fault) -> tuple[Outcome, Out
             for p in leaked_processes(run.path):
                 with contextlib.suppress(Exception):
                     p.kill()
-        for leftover in Path("/dev/shm").glob(f"hpce27-{tmp_path.name}-*"):
+        for leftover in Path("/dev/shm").glob(f"{shm_prefix(tmp_path)}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
     without, with_tier = (
         outcome(RunDir(run.path), c, run.path.parent / "final.json", layout)
