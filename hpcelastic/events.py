@@ -57,6 +57,8 @@ class EventName(Named):
     TIER_PERSIST_MISSED = "tier_persist_missed"
     TIER_RESTORED = "tier_restored"
     TIER_REFUSED = "tier_refused"
+    TIER_UNJUDGED = "tier_unjudged"
+    TIER_SET_ASIDE = "tier_set_aside"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -94,6 +96,8 @@ TIER_PERSISTED = EventName.TIER_PERSISTED
 TIER_PERSIST_MISSED = EventName.TIER_PERSIST_MISSED
 TIER_RESTORED = EventName.TIER_RESTORED
 TIER_REFUSED = EventName.TIER_REFUSED
+TIER_UNJUDGED = EventName.TIER_UNJUDGED
+TIER_SET_ASIDE = EventName.TIER_SET_ASIDE
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -614,3 +618,18 @@ def tier_refused(*, attempt: int, node: str, checkpoint: str, size: int, budget:
     return _event(
         TIER_REFUSED, attempt=attempt, node=node, checkpoint=checkpoint, size=size, budget=budget, why=why
     )
+
+
+def tier_unjudged(*, attempt: int, node: str, checkpoint: str, why: str, saved_to: str = "") -> Event:
+    """The tier could not tell whether ``node``'s files of ``checkpoint`` are a complete save (``why``): it
+    neither replicated nor published them, and left them where the script put them (``saved_to``: where
+    they were copied, as they are, before the node's tier went away)."""
+    return _event(
+        TIER_UNJUDGED, attempt=attempt, node=node, checkpoint=checkpoint, why=why, saved_to=saved_to
+    )
+
+
+def tier_set_aside(*, attempt: int, node: str, checkpoint: str, why: str, path: str) -> Event:
+    """A save proven torn (``why``) was moved out of the script's sight on ``node``, to ``path``; it is
+    removed once a newer checkpoint is complete and replicated."""
+    return _event(TIER_SET_ASIDE, attempt=attempt, node=node, checkpoint=checkpoint, why=why, path=path)

@@ -186,6 +186,15 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
         f"{e.get('checkpoint')} (step {e.get('step')}): {e.get('why')}",
     ),
     events.TIER_REFUSED: lambda e: ("local checkpoint tier full", str(e.get("why"))),
+    events.TIER_UNJUDGED: lambda e: (
+        "checkpoint not judged",
+        f"{e.get('checkpoint')} on {e.get('node')}: {e.get('why')}; left as written"
+        + (f", copied to {e.get('saved_to')}" if e.get("saved_to") else ""),
+    ),
+    events.TIER_SET_ASIDE: lambda e: (
+        "torn save set aside",
+        f"{e.get('checkpoint')} on {e.get('node')}: {e.get('why')}",
+    ),
 }
 #: Events with no row: each agent the step's stop stopped (one row per node of a large job) is the stop's.
 _QUIET = {

@@ -48,6 +48,9 @@ HANDSHAKE_TIMEOUT = 10.0
 TICK = 0.25
 #: How often silent agents are looked for: a lost node is seen at most this long after the heartbeat timeout.
 LIVENESS_CHECK_S = 0.1
+#: The longest a round waits for the local tier's answers about a checkpoint completed just before the
+#: workers stopped (:meth:`TierBook.settling`).
+TIER_SETTLE_S = 3.0
 #: Connections not yet authenticated, at most (or the job's node count, if larger: a burst of every agent at
 #: once must not overflow the kernel's backlog, whose drops cost an agent a SYN retransmission, 1 s); while
 #: that many are open the listener rests and more wait in the backlog (one closed would cost a retry).
@@ -150,6 +153,9 @@ class Coordinator:
         self.state = state
         #: The local checkpoint tier's book (hpcelastic/tier/book.py), None when the job has no tier.
         self.tier = tier
+        #: Round messages held while the tier settles (node rank, message), and until when at most.
+        self._held_rounds: list[tuple[int, messages.Round]] = []
+        self._hold_rounds_until: float | None = None
         self.run_dir = run_dir
         #: Event writes leave this thread: a slow or failing filesystem never delays heartbeats.
         self.events = EventWriter(run_dir)
@@ -248,6 +254,7 @@ class Coordinator:
                     next_check = now + LIVENESS_CHECK_S
                     self._drop_silent(now)
                 self._apply(self.state.tick())
+                self._release_rounds(now)
         except Exception:
             # A bug: say so once; the agents see their connections close and end as coordinator_lost.
             print("hpcelastic: internal error in the coordinator (please report it):", file=sys.stderr)
@@ -432,8 +439,8 @@ class Coordinator:
                         if isinstance(message, messages.DumpStacks):
                             message = dataclasses.replace(message, peers=self._neighbours(node_rank))
                         if isinstance(message, messages.Round) and self.tier is not None:
-                            for restore in self.tier.restore_plan(node_rank, message):
-                                self._send(conn, restore)
+                            self._round_with_restore(node_rank, message)
+                            continue
                         self._send(conn, message)
                 case Record(event):
                     self.events.record(event)
@@ -443,6 +450,32 @@ class Coordinator:
                     threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
             self.finished.set()
+
+    def _round_with_restore(self, node_rank: int, message: messages.Round) -> None:
+        """A round's message, after its node's restore plan; held while the tier settles (a checkpoint the
+        workers completed just before they stopped is still being answered for), at most
+        :data:`TIER_SETTLE_S`."""
+        assert self.tier is not None
+        if not self._held_rounds and self.tier.settling():
+            self._hold_rounds_until = time.monotonic() + TIER_SETTLE_S
+        if self._hold_rounds_until is not None:
+            self._held_rounds.append((node_rank, message))
+            return
+        conn = self._by_rank.get(node_rank)
+        if conn is not None:
+            for restore in self.tier.restore_plan(node_rank, message):
+                self._send(conn, restore)
+            self._send(conn, message)
+
+    def _release_rounds(self, now: float) -> None:
+        """Send the rounds held for the tier once it settled or the wait is over."""
+        if self._hold_rounds_until is None or self.tier is None:
+            return
+        if self.tier.settling() and now < self._hold_rounds_until:
+            return
+        held, self._held_rounds, self._hold_rounds_until = self._held_rounds, [], None
+        for node_rank, message in held:
+            self._round_with_restore(node_rank, message)
 
     def _reachable(self, conn: _Conn) -> str:
         """The address other nodes reach ``conn``'s agent at: its connection's, or the job's published one for

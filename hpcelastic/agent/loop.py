@@ -330,7 +330,8 @@ class NodeLoop:
         elif not group.running():
             self.state = State.RESTARTING  # exit barrier: wait for the coordinator's decision
             done = messages.Done(self.round.round)
-            self._flush_then(lambda: client.send(done), time.monotonic() + self.rt.spec.grace_period)
+            deadline = time.monotonic() + self.rt.spec.grace_period
+            self._flush_then(lambda: client.send(done), deadline, finished=True)
 
     def _stop_and_report(self, rnd: messages.Round) -> None:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
@@ -342,6 +343,8 @@ class NodeLoop:
         failures = tuple(group.failure(w) for w in group.reap_failed())
         self.state = State.RESTARTING
         group.stop(RESTART_KILL_GRACE)
+        if self.rt.tier is not None:  # what the workers saved before they stopped, before the next plan
+            self.rt.tier.final_scan((), position_of(rnd))
         self.reported_round = rnd.round
         self.rt.client.send(messages.Stopped(rnd.round, failures))
 
@@ -579,17 +582,24 @@ class NodeLoop:
                 self._scan_tier()  # answer at once if this node's files of it are settled
 
     def _scan_tier(self) -> None:
-        if self.rt.tier is not None and self.round is not None:
+        """The tier's scan of the checkpoint directory; the files it reads are not the workers' resume."""
+        if self.rt.tier is None or self.round is None:
+            return
+        watch = self.resume_watch
+        with watch.own_reads() if watch is not None else contextlib.nullcontext():
             self.rt.tier.scan(self.rt.group.writing(), position_of(self.round))
+        if watch is not None and watch.pending:
+            self._on_checkpoint_read()
 
-    def _flush_then(self, then: Callable[[], None], deadline: float) -> None:
-        """The workers are gone: ``then`` once the job's last checkpoint is persisted (the coordinator's
-        ``TierFlushed``), or at ``deadline`` at the latest; at once without a tier."""
+    def _flush_then(self, then: Callable[[], None], deadline: float, finished: bool = False) -> None:
+        """The workers are gone (``finished``: every one exited with status 0): ``then`` once the job's last
+        checkpoint is persisted (the coordinator's ``TierFlushed``), or at ``deadline`` at the latest; at
+        once without a tier."""
         tier, rnd = self.rt.tier, self.round
         if tier is None or rnd is None:
             then()
             return
-        tier.final_scan(self.rt.group.writing(), position_of(rnd))
+        tier.final_scan(self.rt.group.writing(), position_of(rnd), finished)
         self.flush_then, self.flush_deadline = then, deadline
         if self.flush_sent_round != rnd.round:
             self.flush_sent_round = rnd.round

@@ -324,8 +324,9 @@ class TierHave(Message):
     """What this node now holds of checkpoint ``name``, part ``position`` (the position in the round of the
     node that wrote it): ``kind`` ``own`` (its files settled here; 0 bytes: it wrote none), ``replica`` (a
     peer's part copied here), ``persisted`` (copied to the shared staging directory), ``committed`` (the
-    whole checkpoint is in the checkpoint directory at ``path``), ``refused`` (``why``: it did not fit), or
-    ``persist_failed`` (``why``: the shared file system failed the copy)."""
+    whole checkpoint is in the checkpoint directory at ``path``), ``refused`` (``why``: it did not fit),
+    ``persist_failed`` (``why``: the shared file system failed the copy), or ``dropped`` (this node no longer
+    holds that part: removed for room, or its own files rewritten in place by a newer save)."""
 
     TAG = "tier_have"
     name: str
@@ -586,24 +587,30 @@ class TierSafe(Message):
 
 @dataclass(frozen=True)
 class TierCommit(Message):
-    """Every part of checkpoint ``name`` is in the shared staging directory: move it into the checkpoint
-    directory and publish it (one node does this)."""
+    """Every part of checkpoint ``name`` (``size`` bytes in all) is in the shared staging directory: move it
+    into the checkpoint directory and publish it (one node does this). With ``abort``: a node failed to
+    persist its part; every node removes what it staged of ``name``."""
 
     TAG = "tier_commit"
     name: str
     step: int | None
+    size: int = 0
+    abort: bool = False
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> TierCommit:
         step = d.get("step")
-        return cls(str(d["name"]), None if step is None else int(step))
+        return cls(
+            str(d["name"]), None if step is None else int(step), int(d.get("size", 0)), bool(d.get("abort"))
+        )
 
 
 @dataclass(frozen=True)
 class TierRestore(Message):
     """Before ``round``'s :class:`Round`: restore checkpoint ``name`` ("" : none, clear the directory) from
     ``sources``, one per part (position, ``here`` | ``peer`` | ``persisted``, node rank, address, data
-    port); ``path`` is its persisted copy. Sent in chunks; ``last`` marks the final one."""
+    port); ``path`` is its persisted copy; ``aside``: newer checkpoints not restored, whose files the node
+    moves out of the script's sight. Sent in chunks; ``last`` marks the final one."""
 
     TAG = "tier_restore"
     round: int
@@ -612,6 +619,7 @@ class TierRestore(Message):
     path: str = ""
     sources: tuple[tuple[str, str, int, str, int], ...] = ()
     last: bool = True
+    aside: tuple[str, ...] = ()
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> TierRestore:
@@ -624,6 +632,7 @@ class TierRestore(Message):
             str(d.get("path", "")),
             sources,
             bool(d.get("last", True)),
+            tuple(str(n) for n in d.get("aside", [])),
         )
 
 

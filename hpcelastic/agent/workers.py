@@ -42,6 +42,7 @@ from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.parse import parse_signal
 from hpcelastic.rundir import RunDir
+from hpcelastic.tier import step_clock
 from hpcelastic.worker import ENV_CHECKPOINT_TIER
 
 PR_SET_PDEATHSIG = 1
@@ -231,8 +232,10 @@ def worker_env(
     )
     if cfg.local_tier:
         env[TIER_VARIABLE] = TIER_LOCAL
+        env[step_clock.VARIABLE] = str(step_clock.clock_path(cfg.checkpoint_dir, local_rank))
     else:
         env.pop(TIER_VARIABLE, None)
+        env.pop(step_clock.VARIABLE, None)
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     if share and "OMP_NUM_THREADS" not in cfg.environ:

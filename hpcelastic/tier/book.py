@@ -109,6 +109,9 @@ class TierBook:
     _plan: tuple[int, Checkpoint | None] | None = None
     #: Nodes that got a round in this attempt (with replica groups only their first round restores).
     _started: set[int] = field(default_factory=set)
+    #: Every position of the current round, those of nodes lost since included: a checkpoint of the round
+    #: has a part at each (a lost node's part is lost with it).
+    _round_positions: set[str] = field(default_factory=set)
 
     # ---- who is there -----------------------------------------------------------------------
     def seed(self, name: str, step: int | None, path: str) -> None:
@@ -139,15 +142,17 @@ class TierBook:
         """The :class:`~hpcelastic.agent.messages.TierRestore` messages for ``node_rank`` before ``rnd``."""
         first = node_rank not in self._started
         self._started.add(node_rank)
-        self.position[node_rank] = position_of(rnd)
         if rnd.round != self.round:
             self._new_round(rnd.round)
+        self.position[node_rank] = position_of(rnd)
+        self._round_positions.add(position_of(rnd))
         if rnd.num_replica_groups and not first:
             return []  # torchft heals a restarted group from a live peer group; the tier is not needed
         assert self._plan is not None
         target = self._plan[1]
+        aside = self._aside(target)
         if target is None:
-            return [messages.TierRestore(rnd.round, "")]
+            return [messages.TierRestore(rnd.round, "", aside=aside)]
         sources = self._sources(target, node_rank, position_of(rnd))
         return [
             messages.TierRestore(
@@ -157,24 +162,33 @@ class TierBook:
                 target.committed,
                 tuple(sources[i : i + RESTORE_CHUNK]),
                 last=i + RESTORE_CHUNK >= len(sources),
+                aside=aside if i == 0 else (),
             )
             for i in range(0, max(1, len(sources)), RESTORE_CHUNK)
         ]
 
+    def _aside(self, target: Checkpoint | None) -> tuple[str, ...]:
+        """The checkpoints the book knows that are newer than ``target`` (by step) but not restored: torn,
+        or a part gone with a node. Each node moves its files of them out of the script's sight, or each
+        would see a different newest checkpoint (its own files of it only)."""
+        newer = {
+            c.name
+            for c in self.checkpoints.values()
+            if c.step is not None and (target is None or (target.step is not None and c.step > target.step))
+        }
+        return tuple(sorted(newer - {target.name if target else ""}))
+
     def _new_round(self, round: int) -> None:
-        """A new round: pending checkpoints of earlier rounds are torn; pick what this round restores."""
+        """A new round: pending checkpoints of earlier rounds are torn; pick what this round restores. Nodes
+        keep every other copy they hold (they drop copies only as :class:`TierSafe` allows, and say so)."""
         self.round = round
+        self._round_positions = set()
         self.flushing.clear()
         self.flushed = False
         for c in self.checkpoints.values():
             if c.pending:
                 c.abandoned = True
-        target = self._restore_target()
-        for c in self.checkpoints.values():
-            if c is not target:  # the nodes clear every other checkpoint out of their memory
-                for part in c.parts.values():
-                    part.holders.clear()
-        self._plan = (round, target)
+        self._plan = (round, self._restore_target())
 
     def _restore_target(self) -> Checkpoint | None:
         """The newest complete checkpoint that can be restored: each part in live memory, or persisted."""
@@ -192,6 +206,10 @@ class TierBook:
     def _sources(
         self, target: Checkpoint, node_rank: int, position: str
     ) -> list[tuple[str, str, int, str, int]]:
+        """Each part's sources in the order to try: this node's own copy, else every live holder, the first
+        chosen by ``node_rank`` so that a whole job's restore spreads over the holders rather than fanning
+        in on each part's owner. A holder is counted only once its copy is reported (:meth:`have`), never
+        for a fetch merely planned here."""
         live = set(self.members)
         in_memory = bool(target.stored()) and all(p.holders & live for p in target.stored())
         if not in_memory:
@@ -204,12 +222,24 @@ class TierBook:
         for p in sorted(parts, key=lambda p: p.position):
             if node_rank in p.holders:
                 out.append((p.position, HERE, node_rank, "", 0))
-                continue
-            holder = min(p.holders & live, key=lambda h: (h != p.owner, h))
-            _host, address, port = self.members[holder]
-            out.append((p.position, PEER, holder, address, port))
-            p.holders.add(node_rank)
+            holders = sorted(p.holders & live - {node_rank})
+            first = node_rank % len(holders) if holders else 0
+            for holder in holders[first:] + holders[:first]:
+                _host, address, port = self.members[holder]
+                out.append((p.position, PEER, holder, address, port))
         return out
+
+    def settling(self) -> bool:
+        """A checkpoint of the round that just ended has its completing part in and waits only for answers
+        from live nodes (a node answers a query once its workers are stopped): the next round's plan should
+        wait for them, or it would take an older checkpoint than the job has."""
+        live = set(self.members)
+        for c in self.checkpoints.values():
+            if c.pending and c.marker and c.round == self.round:
+                waiting = {n for n, p in self.position.items() if p in c.positions - c.answered}
+                if waiting and waiting <= live:
+                    return True
+        return False
 
     # ---- reports ----------------------------------------------------------------------------
     def have(self, node_rank: int, msg: messages.TierHave) -> list[Action]:
@@ -221,8 +251,14 @@ class TierBook:
             return []
         part = c.parts.get(msg.position)
         if msg.kind == "replica" and part is not None:
+            self._forget_older(msg.name, msg.position, node_rank, c)
             part.holders.add(node_rank)
             return self._maybe_safe(c)
+        if msg.kind == "dropped":
+            for version in self._versions(msg.name):
+                if (p := version.parts.get(msg.position)) is not None:
+                    p.holders.discard(node_rank)
+            return []
         if msg.kind == "persisted" and part is not None:
             part.persisted = True
             return self._maybe_commit(c)
@@ -249,22 +285,44 @@ class TierBook:
 
     def _persist_failed(self, c: Checkpoint, node_rank: int, why: str) -> list[Action]:
         """A node could not copy its part of ``c`` to the shared file system: the checkpoint is not
-        persisted (said once); a stop waiting for it ends now rather than at the end of its grace."""
+        persisted (said once), every node removes what it staged of it (nothing partial stays in the shared
+        directory), and a stop waiting for it ends now rather than at the end of its grace."""
         if c.persist_failed:
             return []
         host = self.members.get(node_rank, (str(node_rank),))[0]
         c.persist_failed = f"{host}: {why}"
+        for p in c.parts.values():
+            p.persisted = False
+        abort: list[Action] = [
+            Send(n, messages.TierCommit(c.name, c.step, abort=True)) for n in sorted(self.members)
+        ]
         if self.flushing and not self.flushed and c.persist:
-            return self._flushed(c, ok=False, why=c.persist_failed)
+            return abort + self._flushed(c, ok=False, why=c.persist_failed)
         event = events.tier_persist_missed(
             attempt=self.attempt, checkpoint=c.name, step=c.step, why=c.persist_failed
         )
-        return [Record(event), Say(f"local checkpoint tier: {c.name} not persisted: {c.persist_failed}")]
+        return [
+            *abort,
+            Record(event),
+            Say(f"local checkpoint tier: {c.name} not persisted: {c.persist_failed}"),
+        ]
 
     def _own(self, node_rank: int, msg: messages.TierHave, c: Checkpoint | None) -> list[Action]:
-        if c is None or c.abandoned or (c.complete and c.round != self.round and not c.committed):
-            c = Checkpoint(msg.name, msg.step, self.round, frozenset(self.position.values()))
+        rewritten = c is not None and c.complete and (p := c.parts.get(msg.position)) is not None
+        rewritten = rewritten and node_rank not in p.holders  # it dropped the old version: a save in place
+        if c is not None and c.complete and (rewritten or (c.round != self.round and not c.committed)):
+            self.checkpoints[f"{c.name}@{c.seq}"] = c  # the older version stays, with whatever still holds it
+            c = None
+        if c is not None and c.abandoned and (c.round == self.round or not msg.marker):
+            return []  # torn in this round, or a late answer about an earlier round's: never complete
+        if c is None or c.abandoned:
+            positions = frozenset(self._round_positions | set(self.position.values()))
+            c = Checkpoint(msg.name, msg.step, self.round, positions)
             self.checkpoints[msg.name] = c
+            # A position whose node is gone can never answer: its part went with it.
+            c.abandoned = not positions <= set(self.position.values())
+            if c.abandoned:
+                return []
         elif c.complete:
             return []  # a report of a part already counted (a rescan)
         if msg.step is not None:
@@ -336,7 +394,7 @@ class TierBook:
     def _maybe_commit(self, c: Checkpoint) -> list[Action]:
         if c.committed or not c.stored() or not all(p.persisted for p in c.stored()) or not self.members:
             return []
-        return [Send(min(self.members), messages.TierCommit(c.name, c.step))]
+        return [Send(min(self.members), messages.TierCommit(c.name, c.step, size=c.size))]
 
     def _persist_parts(self, c: Checkpoint, only_owner: int | None = None) -> list[Action]:
         """Ask a live holder of each part not yet persisted (of ``only_owner``'s parts) to persist it."""
@@ -350,6 +408,16 @@ class TierBook:
             holder = p.owner if p.owner in live else min(live)
             actions.append(Send(holder, messages.TierComplete(c.name, c.step, p.position, True, ())))
         return actions
+
+    def _versions(self, name: str) -> list[Checkpoint]:
+        """Every version the book knows of checkpoint ``name`` (a save rewritten in place makes a new one)."""
+        return [c for c in self.checkpoints.values() if c.name == name]
+
+    def _forget_older(self, name: str, position: str, node_rank: int, current: Checkpoint) -> None:
+        """``node_rank`` now holds ``current``'s part ``position``: its copy of an older version is gone."""
+        for version in self._versions(name):
+            if version is not current and (p := version.parts.get(position)) is not None:
+                p.holders.discard(node_rank)
 
     def last_complete(self) -> tuple[str, int | None] | None:
         """The newest complete checkpoint (name, step), or None."""

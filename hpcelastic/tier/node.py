@@ -6,11 +6,16 @@ and removed when it ends::
     hpcelastic-tier/live/        HPCELASTIC_CHECKPOINT_DIR: what the workers save into and load from
     hpcelastic-tier/replicas/P/  peers' parts (P: the position of the node that wrote them)
     hpcelastic-tier/staging/     transfers in flight (moved into place once every file's MAC verified)
+    hpcelastic-tier/aside/       saves proven torn, out of the script's sight until a newer one is safe
 
 The main loop calls :meth:`LocalTier.scan` while workers run and hands over the coordinator's tier
 messages (:meth:`LocalTier.on_message`); replicas, persists and the commit run on one thread of the tier's
 own, so a copy never holds up the loop. Restores run in the loop before the round's workers start
-(:meth:`LocalTier.restore`): nothing else can happen on the node meanwhile. Every copy into the tier is
+(:meth:`LocalTier.restore`): nothing else can happen on the node meanwhile. A restore places the
+round's checkpoint and deletes nothing the script wrote: what the tier could not judge stays where it is
+(and is copied as it is to the shared checkpoint directory when the tier closes), a save proven torn is
+moved aside. The coordinator's book learns of every copy this node gains or loses (``replica``,
+``dropped``) before anything relies on it. Every copy into the tier is
 checked against the budget and the filesystem's free space first: a copy that does not fit is refused with
 one line naming ``checkpoint_tier.local_checkpoint_mb``, never written to fill the node's memory.
 """
@@ -34,13 +39,18 @@ from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.errors import UserError
 from hpcelastic.events import RestoreTier
 from hpcelastic.rundir import RunDir
-from hpcelastic.tier import channel, scan
+from hpcelastic.tier import channel, scan, step_clock
 from hpcelastic.tier.book import HERE, PEER, PERSISTED
 from hpcelastic.tier.settings import MB, NodeTier, TierSettings, key, memory_left_after
 
 TIER_SUBDIR = "hpcelastic-tier"
 #: The checkpoint directory's hidden folder where each node's part is copied before the commit.
 SHARED_STAGING = ".hpcelastic-staging"
+#: The checkpoint directory's folder where a node's entries the tier could not judge are copied at its end.
+UNJUDGED_DIR = "hpcelastic-unjudged"
+#: Why a save was moved out of the script's sight before a round (``tier_set_aside``).
+TORN_WHY = "torn: a torch.save archive without its end record, or a safetensors file shorter than its header"
+NOT_WHOLE_WHY = "newer than the restored checkpoint, and not whole on the job's nodes (torn, or a part lost)"
 #: How often the loop scans the local directory while the workers run.
 SCAN_INTERVAL_S = 0.5
 
@@ -105,7 +115,9 @@ class LocalTier:
         #: The local directory itself, when this agent made it (removed at the end if empty).
         self._made_root = not node.root.exists()
         shutil.rmtree(self.base, ignore_errors=True)  # an earlier attempt's, or a killed agent's
-        for d in (self.live, self.replicas, self.staging):
+        self.aside = self.base / "aside"
+        self.clocks = self.base / step_clock.CLOCK_DIR
+        for d in (self.live, self.replicas, self.staging, self.aside, self.clocks):
             d.mkdir(parents=True, mode=0o700)
         self.throttle = channel.Throttle(settings.rate_bytes_s)
         self._lock = threading.Lock()
@@ -119,6 +131,19 @@ class LocalTier:
         self._known: set[str] = set()
         self._queried: set[str] = set()
         self._previous: dict[str, scan.Entry] = {}
+        #: Own entries reported: their position and files as reported (a change is a save in place).
+        self._own_files: dict[str, tuple[str, tuple[scan.FileInfo, ...]]] = {}
+        #: When the current round's workers started (a save written before it is judged by format only).
+        self._round_start_ns = time.time_ns()
+        #: Entries said not judged (name -> its files' last change), so each is said once; those set aside
+        #: before a round (copied to the shared directory with the others at the end).
+        self._unjudged: dict[str, int] = {}
+        self._aside_unjudged: dict[str, Path] = {}
+        #: The round's restored checkpoint: never dropped while the round runs (its workers may load it at
+        #: any time; a checkpoint safe since may have been written before the round).
+        self._pinned = ""
+        #: Files this node staged in the shared directory, per checkpoint (removed if the persist fails).
+        self._staged: dict[str, list[Path]] = {}
         self._restore: dict[int, list[messages.TierRestore]] = {}
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -143,14 +168,46 @@ class LocalTier:
             watchdog.remove_on_death(str(self.base.parent), only_if_empty=True)
 
     def close(self) -> None:
-        """Stop serving and copying, and remove this node's tier (its memory is the node's again)."""
+        """Stop serving and copying, copy what the tier could not judge to the shared checkpoint directory
+        as it is (nothing the script wrote dies with the node's memory), and remove this node's tier (its
+        memory is the node's again)."""
         self.server.close()
         self._tasks.put(None)
         self._thread.join(timeout=5)
+        self._save_unjudged()
         shutil.rmtree(self.base, ignore_errors=True)
         if self._made_root:
             with contextlib.suppress(OSError):
                 self.base.parent.rmdir()
+
+    def _save_unjudged(self) -> None:
+        """Each entry of the local directory the tier never judged complete, copied as it is under
+        :data:`UNJUDGED_DIR` in the checkpoint directory (no checkpoint scan takes that for a checkpoint)."""
+        dest_root = self.checkpoint_dir / UNJUDGED_DIR / f"attempt-{self.attempt}" / self.host
+        live = scan.scan(self.live, scan.read_published(self.live))
+        where = {
+            name: self.live / name for name, e in live.items() if name not in self._known and not e.marker
+        }
+        where.update({name: path for name, path in self._aside_unjudged.items() if path.exists()})
+        for name, src in where.items():
+            dest = dest_root / name
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                if src.is_dir():
+                    shutil.copytree(src, dest, dirs_exist_ok=True)
+                else:
+                    shutil.copy2(src, dest)
+            except OSError as e:
+                self.say(f"local checkpoint tier: could not save {name}, which it could not judge: {e}")
+                continue
+            event = events.tier_unjudged(
+                attempt=self.attempt,
+                node=self.host,
+                checkpoint=name,
+                why="left when the node's tier ended",
+                saved_to=str(dest),
+            )
+            self.run_dir.record(event, host=self.host)
 
     # ---- accounting -------------------------------------------------------------------------
     def used(self) -> int:
@@ -194,29 +251,56 @@ class LocalTier:
             self._reserved = max(0, self._reserved - size)
 
     # ---- scans (main loop) ------------------------------------------------------------------
-    def scan(self, writing: Iterable[str], position: str | None) -> None:
+    def scan(self, writing: Iterable[str], position: str | None, finished: bool = False) -> None:
         """Report this node's parts that settled since the last scan (``writing``: real paths the workers
-        hold open for writing; ``position``: this node's in the current round, None between rounds)."""
+        hold open for writing; ``position``: this node's in the current round, None between rounds;
+        ``finished``: the round's workers all exited with status 0). A part is reported complete only on
+        the evidence :mod:`hpcelastic.tier.scan` names; one the coordinator asks about is reported as it
+        is once settled, so the coordinator can tell the whole job's files are in."""
         if position is None:
             return
         published = scan.read_published(self.live)
-        entries = scan.scan(self.live, published, skip=self._known)
+        entries = scan.scan(self.live, published)
         writing = list(writing)
+        stepped_ns = step_clock.last_step_ns(self.clocks)
+        self._notice_changes(entries)
         for name in scan.by_step(entries):
             entry = entries[name]
-            ready = scan.settled(self._previous.get(name), entry, writing, self.live)
-            if ready and (entry.marker or name in self._queried):
-                self._report_own(entry, position, published.get(name))
+            if name in self._known or not scan.settled(self._previous.get(name), entry, writing, self.live):
+                continue
+            if entry.last_ns < self._round_start_ns and name not in self._queried:
+                continue  # left from an earlier round: judged against that round's nodes, or never
+            final = entry.marker or scan.judge(name, entries, self._round_start_ns, finished, stepped_ns)
+            if final or name in self._queried:
+                self._report_own(entry, position, published.get(name), final)
         for name in scan.by_step(self._queried - self._known - set(entries)):
             self._known.add(name)  # asked about a checkpoint this node wrote nothing of
             self.send(messages.TierHave(name, position, "own", scan.step_of(name), 0))
         self._previous = entries
 
-    def _report_own(self, entry: scan.Entry, position: str, published_step: int | None) -> None:
+    def _notice_changes(self, entries: dict[str, scan.Entry]) -> None:
+        """An own part reported before whose files changed (a save rewritten in place: ``last.ckpt``) or
+        went (the script removed it): this node no longer holds what it reported; the coordinator hears so
+        first, and the entry is judged again as a new save."""
+        for name, (position, files) in list(self._own_files.items()):
+            entry = entries.get(name)
+            if entry is not None and set(files) <= set(entry.files):
+                continue  # unchanged (a restore may have placed peers' files beside them)
+            del self._own_files[name]
+            with self._lock:
+                self._held.pop((name, position), None)
+                self._complete = [n for n in self._complete if n != name]
+                self._safe.discard(name)
+            self._known.discard(name)
+            self._queried.discard(name)
+            self.send(messages.TierHave(name, position, "dropped"))
+
+    def _report_own(self, entry: scan.Entry, position: str, published_step: int | None, final: bool) -> None:
         refs = [channel.FileRef(f.rel, self.live / f.rel, f.size) for f in entry.files]
         with self._lock:
             self._held[(entry.name, position)] = refs
         self._known.add(entry.name)
+        self._own_files[entry.name] = (position, entry.files)
         step = published_step if published_step is not None else scan.step_of(entry.name)
         if self.used() > self.budget:
             self._drop_unneeded()
@@ -226,7 +310,7 @@ class LocalTier:
                     f"{key('local_checkpoint_mb')}={self.budget // MB}: its copies to peers may be refused; "
                     "raise the setting"
                 )
-        self.send(messages.TierHave(entry.name, position, "own", step, entry.size, entry.marker))
+        self.send(messages.TierHave(entry.name, position, "own", step, entry.size, final))
 
     # ---- the coordinator's messages (main loop) ---------------------------------------------
     def on_message(self, msg: messages.Message) -> None:
@@ -243,6 +327,8 @@ class LocalTier:
                 if msg.name not in self._complete:  # a checkpoint this node holds replicas of only
                     self._complete.append(msg.name)
             self._tasks.put(self._drop_unneeded)
+        elif isinstance(msg, messages.TierCommit) and msg.abort:
+            self._tasks.put(lambda: self._unstage(msg.name))
         elif isinstance(msg, messages.TierCommit):
             self._tasks.put(lambda: self._commit(msg))
         elif isinstance(msg, messages.TierRestore):
@@ -277,13 +363,15 @@ class LocalTier:
         system that fails (full, an I/O error) gets this node's partial copy removed and the coordinator a
         ``persist_failed`` report, so the job's record says it at once."""
         dest = self.checkpoint_dir / SHARED_STAGING / name
-        written: list[Path] = []
+        written = self._staged.setdefault(name, [])
         try:
             for f in files:
                 target = dest / f.rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 written.append(target)
                 self._copy_file(f.path, target)
+                if os.stat(target).st_size != f.size:
+                    raise OSError(f"{f.rel} changed while it was persisted")
         except OSError as e:
             for target in written:
                 with contextlib.suppress(OSError):
@@ -313,6 +401,12 @@ class LocalTier:
         final = self.checkpoint_dir / msg.name
         if not src.exists():
             return
+        staged = src.stat().st_size if src.is_file() else bytes_under(src)
+        if msg.size and staged != msg.size:  # never publish what is not every part, whole
+            why = f"{staged} bytes staged of {msg.size}"
+            self.send(messages.TierHave(msg.name, "", "persist_failed", msg.step, why=why))
+            return
+        self._staged.pop(msg.name, None)
         if final.exists() or final.is_symlink():
             old = self.checkpoint_dir / SHARED_STAGING / f"old-{msg.name}-{time.time_ns()}"
             os.replace(final, old)
@@ -327,23 +421,49 @@ class LocalTier:
             self.say(f"local checkpoint tier: could not publish {final}: {e}")
         self.send(messages.TierHave(msg.name, "", "committed", msg.step, path=str(final)))
 
+    def _unstage(self, name: str) -> None:
+        """A persist of ``name`` failed somewhere: remove what this node staged of it, then the staging
+        folders left empty. Each node removes only its own files: its tasks run in order, so none of its
+        copies can still be on its way, while another node may already be persisting the retry."""
+        for path in self._staged.pop(name, []):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        root = self.checkpoint_dir / SHARED_STAGING
+        for folder, _dirs, _files in sorted(os.walk(root / name), key=lambda w: -len(w[0])):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
     def _drop_unneeded(self) -> None:
-        """Drop this node's copies of checkpoints older than the newest safe one, but the newest ``keep``."""
+        """Drop this node's copies of checkpoints older than the newest safe one, but the newest ``keep``,
+        telling the coordinator first; and the saves set aside as torn that the newest safe one is newer
+        than."""
         with self._lock:
             safe = [n for n in self._complete if n in self._safe]
             if not safe:
                 return
             newest_safe = self._complete.index(safe[-1])
             keep = set(self._complete[max(0, len(self._complete) - self.settings.keep) :]) | {safe[-1]}
-            drop = [n for n in self._complete[:newest_safe] if n not in keep]
+            drop = [n for n in self._complete[:newest_safe] if n not in keep and n != self._pinned]
+            dropped = [k for k in self._held if k[0] in drop]
             for n in drop:
                 self._complete.remove(n)
-                for k in [k for k in self._held if k[0] == n]:
-                    del self._held[k]
+            for k in dropped:
+                del self._held[k]
+                if self._own_files.get(k[0], ("",))[0] == k[1]:
+                    del self._own_files[k[0]]
+        for name, position in dropped:
+            self.send(messages.TierHave(name, position, "dropped"))
         for n in drop:
             _remove(self.live / n)
             for folder in self.replicas.iterdir():
                 _remove(folder / n)
+        newest_step = scan.step_of(safe[-1])
+        for torn in list(self.aside.iterdir()):
+            step = scan.step_of(torn.name.split("@", 1)[0])
+            if newest_step is not None and step is not None and step < newest_step:
+                _remove(torn)
 
     # ---- the data server's callbacks (its threads) ------------------------------------------
     def _part_files(self, name: str, position: str) -> list[channel.FileRef] | None:
@@ -375,10 +495,12 @@ class LocalTier:
     # ---- restores (main loop, before the round's workers start) -----------------------------
     def restore(self, round: int) -> Restored:
         """Place the checkpoint the coordinator chose for ``round`` in the local directory, each part from
-        the nearest copy; clear everything else out of it (a torn save is never seen by the script)."""
+        the first of its sources that has it whole; set aside saves proven torn; delete nothing else."""
         plan = self._restore.pop(round, [])
         for r in [r for r in self._restore if r < round]:
             del self._restore[r]
+        self._round_start_ns = time.time_ns()
+        step_clock.reset(self.clocks)
         if not plan:
             return Restored(None)
         with self.throttle.hold():  # background copies wait: the round waits for this
@@ -386,39 +508,65 @@ class LocalTier:
 
     def _restore_plan(self, round: int, plan: list[messages.TierRestore]) -> Restored:
         head = plan[0]
-        sources = [s for msg in plan for s in msg.sources]
         t0 = time.monotonic()
-        cleared = self._clear_live(keep=head.name)
+        self._tidy_live(head.name, {name for msg in plan for name in msg.aside})
         if not head.name:
-            if cleared or round > 0 or self.attempt > 0:
+            if round > 0 or self.attempt > 0:
                 self._record_restore(round, head, RestoreTier.NONE, [], 0, t0)
             return Restored(None)
+        options: dict[str, list[tuple[str, str, int, str, int]]] = {}
+        for source in (s for msg in plan for s in msg.sources):
+            options.setdefault(source[0], []).append(source)
         placed = 0
         peers: list[str] = []
         tier = RestoreTier.LOCAL
         target = self.live / head.name
-        try:
-            for position, where, node_rank, address, port in sources:
-                if where == PERSISTED:
-                    tier = RestoreTier.PERSISTED
-                    self._link_persisted(target, Path(head.path))
-                    break
-                if where == HERE:
-                    self._link_held(head.name, position)
-                elif where == PEER:
-                    tier = RestoreTier.PEER
-                    placed += self._fetch(head.name, position, address, port)
-                    if str(node_rank) not in peers:
-                        peers.append(str(node_rank))
-        except (channel.ChannelError, OSError) as e:
-            if not head.path:
+        for position, sources in sorted(options.items()):
+            if sources[0][1] == PERSISTED:
+                tier = RestoreTier.PERSISTED
+                break
+            got, error = self._place_part(head.name, position, sources)
+            if got is None:
+                if not head.path:
+                    return Restored(None, f"restoring {head.name}: part {position}: {error}")
+                self.say(f"restoring {head.name} from memory failed ({error}); restoring its persisted copy")
+                tier = RestoreTier.PERSISTED
+                break
+            where, node_rank, size = got
+            if where == PEER:
+                tier, placed = RestoreTier.PEER, placed + size
+                if str(node_rank) not in peers:
+                    peers.append(str(node_rank))
+        if tier == RestoreTier.PERSISTED:
+            try:
+                self._link_persisted(target, Path(head.path))
+            except OSError as e:
                 return Restored(None, f"restoring {head.name}: {e}")
-            self.say(f"restoring {head.name} from memory failed ({e}); restoring its persisted copy instead")
-            tier = RestoreTier.PERSISTED
-            self._link_persisted(target, Path(head.path))
         self._known.add(head.name)
+        with self._lock:
+            self._pinned = head.name
         self._record_restore(round, head, tier, peers, placed, t0)
         return Restored(target)
+
+    def _place_part(
+        self, name: str, position: str, sources: list[tuple[str, str, int, str, int]]
+    ) -> tuple[tuple[str, int, int] | None, str]:
+        """Part ``position`` of ``name`` into place from the first source that has it whole: (where,
+        node rank, bytes copied), or None and the last source's error."""
+        error = "no source"
+        for _pos, where, node_rank, address, port in sources:
+            try:
+                if where == HERE:
+                    self._link_held(name, position)
+                    return (HERE, node_rank, 0), ""
+                size = self._fetch(name, position, address, port)
+                self.send(messages.TierHave(name, position, "replica"))  # this node holds it now
+                return (PEER, node_rank, size), ""
+            except (channel.ChannelError, OSError) as e:
+                error = f"node {node_rank}: {e}"
+                if where == HERE:  # what the book counted here is not whole: it hears so first
+                    self._forget_held(name, position)
+        return None, error
 
     def _record_restore(
         self,
@@ -443,37 +591,70 @@ class LocalTier:
         )
         self.run_dir.record(event, host=self.host)
 
-    def _clear_live(self, keep: str) -> bool:
-        """Remove every checkpoint but ``keep`` from the local directory, and the replicas of others; whether
-        anything was in the local directory to remove."""
-        keep_marker = scan.publish_marker(self.live, keep).name if keep else ""
-        cleared = False
-        for entry in list(self.live.iterdir()):
-            if not keep or entry.name not in (keep, keep_marker):
-                _remove(entry)
-                cleared = True
-        for folder in list(self.replicas.iterdir()):
-            for entry in list(folder.iterdir()):
-                if entry.name != keep:
-                    _remove(entry)
-        with self._lock:
-            for k in [k for k in self._held if k[0] != keep]:
-                del self._held[k]
-            self._complete = [n for n in self._complete if n == keep]
-        self._known = {keep} if keep else set()
+    def _tidy_live(self, keep: str, aside: set[str]) -> None:
+        """Before a round, with ``keep`` the checkpoint it restores: move out of the script's sight this
+        node's saves proven torn (a ``torch.save`` archive without its end record, a short safetensors file:
+        their writers are gone now) and its files of the newer checkpoints the coordinator could not restore
+        whole (``aside``: this node's files of one alone would show each node a different newest
+        checkpoint); say once each entry the tier could not judge, which stays. Nothing is deleted."""
+        published = scan.read_published(self.live)
+        for name, entry in scan.scan(self.live, published).items():
+            if name == keep:
+                continue
+            if entry.torn:
+                self._set_aside(entry, TORN_WHY)
+            elif name in aside:
+                self._set_aside(entry, NOT_WHOLE_WHY, unjudged=not entry.marker)
+            elif not entry.marker and name not in self._known and self._unjudged.get(name) != entry.last_ns:
+                self._unjudged[name] = entry.last_ns
+                self._say_unjudged(entry)
         self._queried.clear()
         self._previous = {}
-        return cleared
+
+    def _set_aside(self, entry: scan.Entry, why: str, unjudged: bool = False) -> None:
+        dest = self.aside / f"{entry.name}@{time.time_ns()}"
+        os.replace(self.live / entry.name, dest)
+        self._known.discard(entry.name)
+        if unjudged:
+            self._aside_unjudged[entry.name] = dest
+        event = events.tier_set_aside(
+            attempt=self.attempt, node=self.host, checkpoint=entry.name, why=why, path=str(dest)
+        )
+        self.run_dir.record(event, host=self.host)
+
+    def _say_unjudged(self, entry: scan.Entry, saved_to: str = "") -> None:
+        why = entry.why_unjudged or "no evidence that the save finished"
+        event = events.tier_unjudged(
+            attempt=self.attempt, node=self.host, checkpoint=entry.name, why=why, saved_to=saved_to
+        )
+        self.run_dir.record(event, host=self.host)
 
     def _link_held(self, name: str, position: str) -> None:
-        """A part this node holds (its own, already in place, or a replica): hard links into place."""
+        """A part this node holds (its own, already in place, or a replica), checked whole (every file there
+        at its size; an own file unchanged since it was reported), hard-linked into place."""
         with self._lock:
             files = list(self._held.get((name, position), []))
+        if not files:
+            raise OSError(f"no copy of {name} part {position} on this node")
+        own = self._own_files.get(name)
+        reported = {f.rel: f for f in own[1]} if own is not None and own[0] == position else {}
+        for f in files:
+            st = os.stat(f.path)
+            seen = reported.get(f.rel)
+            if st.st_size != f.size or (seen is not None and st.st_mtime_ns != seen.mtime_ns):
+                raise OSError(f"{f.rel} changed since it was reported")
         for f in files:
             target = self.live / f.rel
             if target != f.path and not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.link(f.path, target)
+
+    def _forget_held(self, name: str, position: str) -> None:
+        with self._lock:
+            self._held.pop((name, position), None)
+        if self._own_files.get(name, ("",))[0] == position:
+            del self._own_files[name]
+        self.send(messages.TierHave(name, position, "dropped"))
 
     def _fetch(self, name: str, position: str, address: str, port: int) -> int:
         """A part from a peer, into place; its size."""
@@ -503,17 +684,22 @@ class LocalTier:
             shutil.rmtree(staging, ignore_errors=True)
 
     def _link_persisted(self, target: Path, path: Path) -> None:
-        """The persisted copy in the checkpoint directory, linked into the local directory (read in place)."""
-        _remove(target)
+        """The persisted copy in the checkpoint directory, linked into the local directory (read in place);
+        what this node had under that name is moved aside, not deleted."""
         if not path.exists():
             raise OSError(f"the persisted copy {path} is missing")
+        if target.is_symlink():
+            target.unlink()
+        elif target.exists():
+            os.replace(target, self.aside / f"{target.name}@{time.time_ns()}")
         os.symlink(path, target)
 
     # ---- the end -----------------------------------------------------------------------------
-    def final_scan(self, writing: Iterable[str], position: str | None) -> None:
-        """The workers are gone: whatever settled now is reported (a second look makes every file settled)."""
-        self.scan(writing, position)
-        self.scan((), position)
+    def final_scan(self, writing: Iterable[str], position: str | None, finished: bool = False) -> None:
+        """The workers are gone (``finished``: all with status 0, so nothing they wrote can change): whatever
+        settled now is reported (a second look makes every file settled)."""
+        self.scan(writing, position, finished)
+        self.scan((), position, finished)
 
 
 def _free_bytes(path: Path) -> int:

@@ -1,12 +1,26 @@
 """Which checkpoints in a node's local directory are complete on this node (the I/O is one listing).
 
 A checkpoint is a top-level entry of the directory the workers save into (``HPCELASTIC_CHECKPOINT_DIR``):
-a file (``step-300.pt``) or a directory (a ``torch.distributed.checkpoint`` directory, Lightning's or
-Accelerate's). This node's files of it are *settled* when no worker holds one open for writing and none
-changed since the previous scan. The judgement of what is complete is
-:mod:`hpcelastic.lifecycle.evidence`'s: a DCP directory is complete with its ``.metadata`` (DCP writes
-it last, on one rank, after every rank's shards are written), a ``torch.save`` archive with its zip end
-record; ``worker.publish_checkpoint`` marks an entry complete explicitly (:func:`publish_marker`).
+a file (``step-300.pt``) or a directory (a ``torch.distributed.checkpoint`` directory, Lightning's,
+Accelerate's, a Hugging Face ``Trainer`` checkpoint). This node's files of it are *settled* when no worker
+holds one open for writing and none changed since the previous scan.
+
+What counts as complete is positive evidence only (:func:`judge`), never quiet time:
+
+- the format's own completion marker (:attr:`Entry.format_complete`): every DCP directory of the entry holds
+  its ``.metadata`` (DCP writes it last, on one rank, after every rank's shards) and the entry holds nothing
+  else; a single ``torch.save`` archive with its zip end record, or a safetensors file whose bytes reach
+  its header's last tensor; a safetensors index with every shard it names, complete, beside only metadata
+  files; ``worker.publish_checkpoint`` (:func:`publish_marker`);
+- or the script's own behaviour: every rank of this node went on to a newer save (a newer step, begun after
+  this entry's last write, in the same round) and nothing in this entry changed since. A save is a
+  synchronous call in the libraries users have (and the steps between two saves are collectives), so a
+  rank that began the next save had finished this one;
+- or the workers of the round all ended with exit status 0: nothing they wrote can still change.
+
+An entry with none of these is *not judged*: never reported complete, never deleted. One with a
+``torch.save`` archive that lacks its end record, or a safetensors file shorter than its header says, is
+*torn* once its writers are gone.
 """
 
 from __future__ import annotations
@@ -15,20 +29,29 @@ import contextlib
 import json
 import os
 import re
+import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcelastic.errors import UserError
-from hpcelastic.lifecycle.evidence import DCP_METADATA, OWN_PREFIX, PARTIAL_SUFFIXES, torn_zip
+from hpcelastic.lifecycle.evidence import DCP_METADATA, OWN_PREFIX, PARTIAL_SUFFIXES, ZIP_MAGIC, torn_zip
 
 #: A shard of a DCP checkpoint: its directory is complete only with the ``.metadata`` one rank writes.
 DCP_SHARD_SUFFIX = ".distcp"
 #: ``worker.publish_checkpoint`` under the tier writes this file (one per entry) instead of the handoff.
 PUBLISH_PREFIX = f"{OWN_PREFIX}publish-"
 #: Files inside a checkpoint directory that may be ``torch.save`` archives (checked for their end record).
-ARCHIVE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar")
+ARCHIVE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".tar", ".pkl")
+SAFETENSORS_SUFFIX = ".safetensors"
+SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
+#: Files beside a safetensors index that carry no tensors (``save_pretrained``'s config and tokenizer files).
+METADATA_SUFFIXES = (".json", ".txt", ".md", ".model", ".jinja")
+#: Why a DCP directory does not complete its entry (its shards without the file DCP writes last).
+DCP_METADATA_MISSING = f"has no {DCP_METADATA}"
+#: A safetensors header longer than this is not one (the format's own limit is 100 MB).
+SAFETENSORS_MAX_HEADER = 100_000_000
 #: Files not changed for this long, and not open for writing, are settled at first sight.
 SETTLE_S = 0.3
 #: The scan reads at most this many files of one entry (a checkpoint of more is judged on those).
@@ -52,14 +75,26 @@ class Entry:
     files: tuple[FileInfo, ...]
     is_dir: bool
     dcp: bool
-    #: It holds what makes the checkpoint complete: DCP's ``.metadata``, a complete file, a published mark.
+    #: The format's own marker says this node's files complete the checkpoint (module docstring), or the
+    #: script published it.
     marker: bool
-    #: A ``torch.save`` archive without its end record (a save killed, or still writing).
+    #: A ``torch.save`` archive without its end record or a short safetensors file (a save killed, or still
+    #: writing).
     torn: bool
+    #: Why the format alone cannot tell (``marker`` False, not torn): the one line ``status`` shows.
+    why_unjudged: str = ""
 
     @property
     def size(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def first_ns(self) -> int:
+        return min((f.mtime_ns for f in self.files), default=0)
+
+    @property
+    def last_ns(self) -> int:
+        return max((f.mtime_ns for f in self.files), default=0)
 
     def same_files(self, other: Entry | None) -> bool:
         return other is not None and other.files == self.files
@@ -116,9 +151,10 @@ def _entry(live: Path, top: os.DirEntry[str], published: bool) -> Entry | None:
         return None  # a restore from the shared directory: not this node's to replicate or persist
     if not top.is_dir():
         st = top.stat()
-        torn = st.st_size == 0 or torn_zip(Path(top.path), st.st_size)
         info = FileInfo(top.name, st.st_size, st.st_mtime_ns)
-        return Entry(top.name, (info,), False, False, published or not torn, torn)
+        state = file_state(Path(top.path), st.st_size)
+        why = "" if state != UNKNOWN else f"{top.name} is in no format whose end can be checked"
+        return Entry(top.name, (info,), False, False, published or state == COMPLETE, state == TORN, why)
     files: list[FileInfo] = []
     todo = [Path(top.path)]
     while todo and len(files) < MAX_FILES:
@@ -130,12 +166,136 @@ def _entry(live: Path, top: os.DirEntry[str], published: bool) -> Entry | None:
                 st = e.stat()
                 files.append(FileInfo(os.path.relpath(e.path, live), st.st_size, st.st_mtime_ns))
     files.sort(key=lambda f: f.rel)
-    names = [f.rel.rsplit("/", 1)[-1] for f in files]
-    dcp = any(n.endswith(DCP_SHARD_SUFFIX) or n == DCP_METADATA for n in names)
-    torn = any(torn_zip(live / f.rel, f.size) for f in files if f.rel.endswith(ARCHIVE_SUFFIXES))
-    has_metadata = f"{top.name}/{DCP_METADATA}" in {f.rel for f in files}
-    marker = published or (has_metadata if dcp else bool(files) and not torn)
-    return Entry(top.name, tuple(files), True, dcp, marker and not torn, torn)
+    states = {f.rel: file_state(live / f.rel, f.size) if _has_end(f.rel) else UNKNOWN for f in files}
+    torn = TORN in states.values()
+    dcp_dirs = {f.rel.rsplit("/", 1)[0] for f in files if _is_dcp_file(f.rel)}
+    complete, why = _dir_complete(live, top.name, [f.rel for f in files], dcp_dirs, states)
+    marker = published or complete
+    return Entry(
+        top.name, tuple(files), True, bool(dcp_dirs), marker and not torn, torn, "" if marker else why
+    )
+
+
+COMPLETE, TORN, UNKNOWN = "complete", "torn", "unknown"
+
+
+def _has_end(rel: str) -> bool:
+    """A file inside a checkpoint directory whose format has an end to check (archives, safetensors)."""
+    return rel.endswith((*ARCHIVE_SUFFIXES, SAFETENSORS_SUFFIX))
+
+
+def _is_dcp_file(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return name.endswith(DCP_SHARD_SUFFIX) or name == DCP_METADATA
+
+
+def file_state(path: Path, size: int) -> str:
+    """One file by its format: :data:`COMPLETE` (a zip archive with its end record, a safetensors file that
+    reaches its last tensor), :data:`TORN` (one without), or :data:`UNKNOWN` (no end to check)."""
+    try:
+        if path.name.endswith(SAFETENSORS_SUFFIX):
+            return _safetensors_state(path, size)
+        if size == 0:
+            return TORN if path.name.endswith(ARCHIVE_SUFFIXES) else UNKNOWN
+        with path.open("rb") as f:
+            if f.read(4) != ZIP_MAGIC:
+                return UNKNOWN
+        return TORN if torn_zip(path, size) else COMPLETE
+    except OSError:
+        return UNKNOWN
+
+
+def _safetensors_state(path: Path, size: int) -> str:
+    """A safetensors file: an 8-byte little-endian header length, a JSON header whose ``data_offsets`` say
+    where each tensor ends; complete when the file reaches the last one."""
+    if size < 8:
+        return TORN
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > SAFETENSORS_MAX_HEADER or 8 + n > size:
+            return TORN
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError):
+            return TORN
+    return COMPLETE if size >= 8 + n + max(ends, default=0) else TORN
+
+
+def _dir_complete(
+    live: Path, top: str, rels: list[str], dcp_dirs: set[str], states: dict[str, str]
+) -> tuple[bool, str]:
+    """Whether this node's files of directory ``top`` complete it by their format alone, else why not."""
+    if not rels:
+        return False, f"{top} is empty"
+    if dcp_dirs:
+        missing = sorted(d for d in dcp_dirs if f"{d}/{DCP_METADATA}" not in states)
+        if missing:
+            return False, f"{missing[0]} {DCP_METADATA_MISSING} (DCP writes it last, on one rank)"
+        others = [r for r in rels if r.rsplit("/", 1)[0] not in dcp_dirs]
+        if not others:
+            return True, ""
+        return False, f"{others[0]} sits beside DCP directories: nothing says the save wrote its last file"
+    index = [r for r in rels if r.endswith(SAFETENSORS_INDEX_SUFFIX)]
+    if index:
+        return _index_complete(live, rels, index, states)
+    return False, f"nothing in {top} marks the save's end (a newer save, or the workers' end, will)"
+
+
+def _index_complete(
+    live: Path, rels: list[str], index: list[str], states: dict[str, str]
+) -> tuple[bool, str]:
+    """A safetensors index with every shard it names present and complete, beside metadata files only."""
+    named: set[str] = set()
+    for rel in index:
+        folder = rel.rsplit("/", 1)[0]
+        try:
+            weight_map = json.loads((live / rel).read_text())["weight_map"]
+            named |= {f"{folder}/{v}" for v in weight_map.values()}
+        except (OSError, ValueError, TypeError, KeyError):
+            return False, f"{rel} is not a readable safetensors index"
+    for shard in sorted(named):
+        if states.get(shard) != COMPLETE:
+            return False, f"{shard}, named by the index, is missing or short"
+    extra = [r for r in rels if r not in named and r not in index and not r.endswith(METADATA_SUFFIXES)]
+    if extra:
+        return (
+            False,
+            f"{extra[0]} sits beside the safetensors index: nothing says the save wrote its last file",
+        )
+    return True, ""
+
+
+def judge(
+    name: str,
+    entries: Mapping[str, Entry],
+    round_start_ns: int,
+    finished: bool = False,
+    stepped_ns: int | None = None,
+) -> bool:
+    """Whether the script's behaviour shows ``entries[name]`` finished on this node (its format could not):
+    every worker of this node took a training step after the entry's last write (``stepped_ns``: the
+    oldest of their last steps, from :mod:`hpcelastic.tier.step_clock`), the workers of the round all
+    ended with status 0 (``finished``), or, for workers without a step clock, a newer save (by step) began
+    after the entry's last write. Only for an entry written in this round, with no file torn and no DCP
+    directory without its ``.metadata`` (DCP says itself when it is done, ``async_save`` too)."""
+    entry = entries[name]
+    if entry.torn or not entry.files or entry.last_ns < round_start_ns:
+        return False
+    if entry.dcp and DCP_METADATA_MISSING in entry.why_unjudged:
+        return False
+    if finished:
+        return True
+    if stepped_ns is not None:
+        return stepped_ns > entry.last_ns
+    step = step_of(name)
+    if step is None:
+        return False
+    return any(
+        (s := step_of(other.name)) is not None and s > step and other.first_ns > entry.last_ns
+        for other in entries.values()
+        if other.name != name and other.files
+    )
 
 
 def settled(

@@ -160,7 +160,7 @@ def test_persist_every_m_th_and_the_last_one_at_the_flush() -> None:
     assert all(m.persist and m.name == "step-20" for _, m in sends(actions, messages.TierComplete))
     b.have(0, have("step-20", "0", kind="persisted"))
     commit = b.have(1, have("step-20", "1", kind="persisted"))
-    assert sends(commit, messages.TierCommit) == [(0, messages.TierCommit("step-20", 20))]
+    assert sends(commit, messages.TierCommit) == [(0, messages.TierCommit("step-20", 20, size=20))]
     flushed = b.have(0, messages.TierHave("step-20", "", "committed", 20, path="/c/step-20"))
     assert sends(flushed, messages.TierFlushed) == [
         (n, messages.TierFlushed("step-20", 20, True, "")) for n in (0, 1)
@@ -191,8 +191,9 @@ def test_a_flush_with_a_part_in_no_memory_says_it_could_not_persist() -> None:
 
 
 def test_a_shared_file_system_that_fails_a_persist_is_said_once_and_retried_once_at_the_stop() -> None:
-    """ENOSPC in the background: one ``tier_persist_missed`` naming the node and the error; at the stop the
-    failed parts are asked once more, and a second failure ends the flush at once (not at the grace's end)."""
+    """ENOSPC in the background: one ``tier_persist_missed`` naming the node and the error, and every node
+    removes what it staged (nothing partial stays in the shared directory); at the stop every part is asked
+    once more, and a second failure ends the flush at once (not at the grace's end)."""
     full = "No space left on device in /shared/ckpt"
     b = book(nodes=2)
     start_round(b, 0, {0: 0, 1: 1})
@@ -201,10 +202,15 @@ def test_a_shared_file_system_that_fails_a_persist_is_said_once_and_retried_once
     actions = b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full))
     (event,) = [a.event for a in actions if isinstance(a, Record)]
     assert event.name.value == "tier_persist_missed" and event.fields["why"] == f"n1: {full}"
+    abort = messages.TierCommit("step-5", 5, abort=True)
+    assert sends(actions, messages.TierCommit) == [(0, abort), (1, abort)]
     assert b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full)) == []  # said once
     assert b.flush(0) == []
     retry = b.flush(1)
-    assert sends(retry, messages.TierComplete) == [(1, messages.TierComplete("step-5", 5, "1", True, ()))]
+    assert sends(retry, messages.TierComplete) == [
+        (0, messages.TierComplete("step-5", 5, "0", True, ())),
+        (1, messages.TierComplete("step-5", 5, "1", True, ())),
+    ]
     actions = b.have(1, messages.TierHave("step-5", "1", "persist_failed", why=full))
     (flushed,) = {m for _, m in sends(actions, messages.TierFlushed)}
     assert not flushed.ok and full in flushed.why
@@ -232,7 +238,8 @@ def test_restore_plans_are_sound_over_many_random_runs() -> None:
     """3,000 random runs of checkpoints, replicas, persists, node losses and rounds: every restore plan names
     the newest checkpoint that can be restored (complete, never torn; every part really held by a live node,
     or really committed), and each part comes from a node that really holds it (itself or a live peer) or from
-    the committed copy."""
+    the committed copy. Nodes keep their copies across rounds, and a fetched part counts as held only once
+    the node reports it (a fetch the book merely planned is no copy)."""
     for seed in range(3_000):
         rng = random.Random(seed)
         _random_run(rng)
@@ -303,11 +310,14 @@ def _random_run(rng: random.Random) -> None:
                     assert n in holds.get((name, pos), set()), (n, name, pos, holds)
                 else:
                     assert src in live and src in holds.get((name, pos), set()), (src, name, pos)
-                    holds[(name, pos)].add(n)
-        # Nodes clear every other checkpoint out of memory (tier/node.py _clear_live).
-        for key in list(holds):
-            if key[0] != name:
-                del holds[key]
+            fetched = {pos for pos, where, *_ in (s for m in msgs for s in m.sources) if where == PEER}
+            for pos in fetched - {
+                pos for pos, where, *_ in (s for m in msgs for s in m.sources) if where == HERE
+            }:
+                if rng.random() < 0.2:
+                    continue  # the fetch failed: the book must not count it
+                holds[(name, pos)].add(n)
+                b.have(n, have(name, pos, kind="replica"))
 
     new_round()
     for step in range(1, rng.randint(5, 40)):
@@ -336,3 +346,34 @@ def _random_run(rng: random.Random) -> None:
             deliver(b.lost(victim))
         if rng.random() < 0.3 or set(positions) - live:
             new_round()
+
+
+def test_the_next_round_waits_while_a_checkpoint_completed_before_the_stop_is_answered_for() -> None:
+    """The bug: a save complete just before a crash was reported by its writer but not yet answered for by
+    the others when the next round was planned: it was torn, and the round restored an older one."""
+    b = book(nodes=2)
+    start_round(b, 0, {0: 0, 1: 1})
+    complete_checkpoint(b, "step-15", 15)
+    b.have(0, have("step-20", "0", marker=True, step=20))
+    assert b.settling()  # node 1 is alive and will answer
+    b.have(1, have("step-20", "1", step=20))
+    assert not b.settling()
+    (msg,) = start_round(b, 1, {0: 0, 1: 1})[0]
+    assert msg.name == "step-20"
+    b.have(0, have("step-25", "0", marker=True, step=25))
+    b.lost(1)
+    assert not b.settling()  # nobody left to answer: it is torn
+
+
+def test_a_save_reported_after_a_node_of_its_round_is_lost_is_never_complete() -> None:
+    """The bug: node 2 died mid-save; node 0 reported the save after the loss, and the book judged it against
+    the nodes left (0 and 1), so it completed, was published and restored without node 2's shard."""
+    b = book(nodes=3)
+    start_round(b, 0, {0: 0, 1: 1, 2: 2})
+    b.lost(2)
+    actions = b.have(0, have("step-20", "0", marker=True, step=20))
+    actions += b.have(1, have("step-20", "1", step=20))
+    assert not sends(actions, messages.TierComplete) and b.last_complete() is None
+    assert b.have(0, have("step-20", "0", marker=True, step=20)) == []  # said again: still torn
+    (plan,) = start_round(b, 1, {0: 0, 1: 1})[0]
+    assert plan.name == "" and plan.aside == ("step-20",)  # each node moves its files of it aside
