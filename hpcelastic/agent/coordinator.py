@@ -452,11 +452,11 @@ class Coordinator:
             self.finished.set()
 
     def _round_with_restore(self, node_rank: int, message: messages.Round) -> None:
-        """A round's message, after its node's restore plan; held while the tier settles (a checkpoint the
-        workers completed just before they stopped is still being answered for), at most
-        :data:`TIER_SETTLE_S`."""
+        """A round's message, after its node's restore plan; a job-wide round is held while the tier settles
+        (a checkpoint the workers completed just before they stopped is still being answered for), at most
+        :data:`TIER_SETTLE_S` (a replica group's restart restores nothing from the tier)."""
         assert self.tier is not None
-        if not self._held_rounds and self.tier.settling():
+        if not self._held_rounds and not message.num_replica_groups and self.tier.settling():
             self._hold_rounds_until = time.monotonic() + TIER_SETTLE_S
         if self._hold_rounds_until is not None:
             self._held_rounds.append((node_rank, message))
