@@ -51,6 +51,10 @@ UNJUDGED_DIR = "hpcelastic-unjudged"
 #: Why a save was moved out of the script's sight before a round (``tier_set_aside``).
 TORN_WHY = "torn: a torch.save archive without its end record, or a safetensors file shorter than its header"
 NOT_WHOLE_WHY = "newer than the restored checkpoint, and not whole on the job's nodes (torn, or a part lost)"
+#: A replica's copy to a peer that does not answer is tried this often, within this long: the tier's
+#: thread does one copy at a time, and the coordinator learns of a dead peer from its own detection.
+REPLICA_ATTEMPTS = 3
+REPLICA_RETRY_S = 5.0
 #: How often the loop scans the local directory while the workers run.
 SCAN_INTERVAL_S = 0.5
 
@@ -350,7 +354,10 @@ class LocalTier:
             return
         for peer, address, port in msg.peers:
             try:
-                channel.put(address, port, self.secret, msg.name, msg.position, files, self.throttle)
+                channel.put(
+                    address, port, self.secret, msg.name, msg.position, files, self.throttle,
+                    attempts=REPLICA_ATTEMPTS, within_s=REPLICA_RETRY_S,
+                )  # fmt: skip
             except channel.ChannelError as e:
                 self.send(
                     messages.TierHave(msg.name, msg.position, "refused", why=f"copy to node {peer}: {e}")
@@ -480,8 +487,11 @@ class LocalTier:
         return path
 
     def _received(self, name: str, position: str, staging: Path, files: list[tuple[str, int]]) -> None:
-        """A peer's part arrived whole: move it into the replica area and say so."""
+        """A peer's part arrived whole: move it into the replica area (in place of an older version of it)
+        and say so."""
+        _inside(name, files)
         dest = self.replicas / position
+        _remove(dest / name)
         refs = []
         for rel, size in files:
             target = dest / rel
@@ -669,6 +679,7 @@ class LocalTier:
 
         try:
             files = channel.get(address, port, self.secret, name, position, staging, reserve)
+            _inside(name, files)
             refs = []
             for rel, size in files:
                 target = self.live / rel
@@ -700,6 +711,13 @@ class LocalTier:
         settled now is reported (a second look makes every file settled)."""
         self.scan(writing, position, finished)
         self.scan((), position, finished)
+
+
+def _inside(name: str, files: list[tuple[str, int]]) -> None:
+    """Every file a peer sent for checkpoint ``name`` is that checkpoint's (its name, or under it)."""
+    for rel, _size in files:
+        if rel != name and not rel.startswith(f"{name}/"):
+            raise channel.ChannelError(f"{rel!r} is not a file of {name}")
 
 
 def _free_bytes(path: Path) -> int:

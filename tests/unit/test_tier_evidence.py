@@ -300,3 +300,17 @@ def test_a_save_is_final_once_every_worker_took_a_step_after_its_last_write(tmp_
     assert step_clock.last_step_ns(clocks) == 0
     step_clock.reset(clocks)
     assert step_clock.last_step_ns(clocks) is None
+
+
+def test_a_peer_cannot_place_files_outside_the_checkpoint_it_names(tmp_path: Path, nodes: list[Node]) -> None:
+    """A peer with the job secret sends a part of ``step-5`` whose file is ``step-6/x``: refused, nothing
+    placed (the channel keeps every path inside the tier; the node keeps it inside the checkpoint)."""
+    from hpcelastic.tier import channel
+
+    nodes.append(node := Node(tmp_path, "n0"))
+    src = tmp_path / "x"
+    src.write_bytes(b"payload")
+    files = [channel.FileRef("step-6/x", src, 7)]
+    with pytest.raises(channel.ChannelError):
+        channel.put("127.0.0.1", node.tier.port, SECRET, "step-5", "1", files, channel.Throttle(10**8))
+    assert not any(node.tier.replicas.rglob("x")) and ("replica", "step-5", "1") not in node.kinds()
