@@ -327,6 +327,8 @@ class TierBook:
             return []  # a report of a part already counted (a rescan)
         if msg.step is not None:
             c.step = msg.step
+        elif c.step is None:  # a name without a step (last.ckpt): saved with the newest one it follows
+            c.step = max((x.step for x in self.checkpoints.values() if x.step is not None), default=None)
         pos = msg.position
         c.parts[pos] = Part(pos, node_rank, msg.size, {node_rank} if msg.size else set())
         actions: list[Action] = []

@@ -443,9 +443,11 @@ class LocalTier:
             root.rmdir()
 
     def _drop_unneeded(self) -> None:
-        """Drop this node's copies of checkpoints older than the newest safe one, but the newest ``keep``,
-        telling the coordinator first; and the saves set aside as torn that the newest safe one is newer
-        than."""
+        """Drop this node's copies of checkpoints older than the newest safe one, but the newest ``keep`` and
+        the round's restored one, telling the coordinator first; and the saves set aside as torn that the
+        newest safe one is newer than. Replicas go; what lies in the script's own directory goes only once
+        that checkpoint's persisted copy is in the checkpoint directory, and never a name without a step
+        (``last.ckpt``: the script rewrites it)."""
         with self._lock:
             safe = [n for n in self._complete if n in self._safe]
             if not safe:
@@ -453,9 +455,15 @@ class LocalTier:
             newest_safe = self._complete.index(safe[-1])
             keep = set(self._complete[max(0, len(self._complete) - self.settings.keep) :]) | {safe[-1]}
             drop = [n for n in self._complete[:newest_safe] if n not in keep and n != self._pinned]
-            dropped = [k for k in self._held if k[0] in drop]
             for n in drop:
                 self._complete.remove(n)
+        in_live = {n for n in drop if scan.step_of(n) is not None and (self.checkpoint_dir / n).exists()}
+        with self._lock:
+            dropped = [
+                k
+                for k, refs in self._held.items()
+                if k[0] in drop and (k[0] in in_live or not any(self.live in f.path.parents for f in refs))
+            ]
             for k in dropped:
                 del self._held[k]
                 if self._own_files.get(k[0], ("",))[0] == k[1]:
@@ -463,7 +471,8 @@ class LocalTier:
         for name, position in dropped:
             self.send(messages.TierHave(name, position, "dropped"))
         for n in drop:
-            _remove(self.live / n)
+            if n in in_live:
+                _remove(self.live / n)
             for folder in self.replicas.iterdir():
                 _remove(folder / n)
         newest_step = scan.step_of(safe[-1])

@@ -7,11 +7,13 @@ holds one open for writing and none changed since the previous scan.
 
 What counts as complete is positive evidence only (:func:`judge`), never quiet time:
 
-- the format's own completion marker (:attr:`Entry.format_complete`): every DCP directory of the entry holds
-  its ``.metadata`` (DCP writes it last, on one rank, after every rank's shards) and the entry holds nothing
-  else; a single ``torch.save`` archive with its zip end record, or a safetensors file whose bytes reach
-  its header's last tensor; a safetensors index with every shard it names, complete, beside only metadata
-  files; ``worker.publish_checkpoint`` (:func:`publish_marker`);
+- the format's own completion marker (:attr:`Entry.marker`): the entry is one DCP directory with its
+  ``.metadata`` (DCP writes it last, on one rank, after every rank's shards); a single ``torch.save``
+  archive with its zip end record, or a safetensors file whose bytes reach its header's last tensor; a
+  safetensors index with every shard it names, complete, beside only metadata files;
+  ``worker.publish_checkpoint`` (:func:`publish_marker`). An entry of several DCP directories (``model/``,
+  ``optim/``: several DCP saves) needs every one's ``.metadata`` *and* the behaviour below, since the
+  next save may not have begun;
 - or the script's own behaviour: every rank of this node went on to a newer save (a newer step, begun after
   this entry's last write, in the same round) and nothing in this entry changed since. A save is a
   synchronous call in the libraries users have (and the steps between two saves are collectives), so a
@@ -233,9 +235,14 @@ def _dir_complete(
         if missing:
             return False, f"{missing[0]} {DCP_METADATA_MISSING} (DCP writes it last, on one rank)"
         others = [r for r in rels if r.rsplit("/", 1)[0] not in dcp_dirs]
-        if not others:
-            return True, ""
-        return False, f"{others[0]} sits beside DCP directories: nothing says the save wrote its last file"
+        if others:
+            return (
+                False,
+                f"{others[0]} sits beside DCP directories: nothing says the save wrote its last file",
+            )
+        if dcp_dirs != {top}:  # model/ and optim/ each a DCP save: the next may not have begun yet
+            return False, f"{top} holds DCP directories below its top: nothing says the last one was begun"
+        return True, ""
     index = [r for r in rels if r.endswith(SAFETENSORS_INDEX_SUFFIX)]
     if index:
         return _index_complete(live, rels, index, states)
@@ -315,8 +322,9 @@ def settled(
 
 
 def by_step(names: Iterable[str]) -> list[str]:
-    """Checkpoint names oldest first: by the step in the name, then by name."""
-    return sorted(names, key=lambda n: (step_of(n) is not None, step_of(n) or 0, n))
+    """Checkpoint names oldest first: by the step in the name, then by name; names without a step last
+    (``last.ckpt`` is saved after the numbered checkpoint of its step)."""
+    return sorted(names, key=lambda n: (step_of(n) is None, step_of(n) or 0, n))
 
 
 def write_publish_marker(live: str, path: str, step: int) -> Path:

@@ -47,17 +47,24 @@ def write(path: Path, data: bytes, mtime_ns: int | None = None) -> None:
 
 
 # ---- what the format proves ---------------------------------------------------------------------------
-def test_nested_dcp_directories_complete_only_with_every_metadata(tmp_path: Path) -> None:
-    """DCP's ``.metadata`` below the top of the entry counts (the bug: only the top was looked at), and
-    every DCP directory of the entry needs its own."""
+def test_nested_dcp_directories_complete_only_with_every_metadata_and_a_step_after(tmp_path: Path) -> None:
+    """DCP's ``.metadata`` below the top of the entry counts (the bug: only the top was looked at), every DCP
+    directory of the entry needs its own, and the workers' going on says no further one was to come."""
     top = tmp_path / "step-10"
     write(top / "model" / "__0_0.distcp", b"a" * 100)
     write(top / "model" / ".metadata", b"m")
     write(top / "optim" / "__0_0.distcp", b"b" * 100)
     entry = scan.scan(tmp_path)["step-10"]
     assert entry.dcp and not entry.marker and "step-10/optim has no .metadata" in entry.why_unjudged
-    write(top / "optim" / ".metadata", b"m")
-    assert scan.scan(tmp_path)["step-10"].marker
+    write(top / "optim" / ".metadata", b"m", time.time_ns())
+    entries = scan.scan(tmp_path)
+    # model/ and optim/ each complete: but a third DCP save of the entry may not have begun yet (the crash
+    # between two of them leaves a torn entry whose every DCP directory has its .metadata)
+    assert not entries["step-10"].marker and "below its top" in entries["step-10"].why_unjudged
+    assert scan.judge("step-10", entries, round_start_ns=0, stepped_ns=time.time_ns() + 10**9)
+    write(tmp_path / "flat" / "__0_0.distcp", b"a")
+    write(tmp_path / "flat" / ".metadata", b"m")
+    assert scan.scan(tmp_path)["flat"].marker
 
 
 def test_accelerate_fsdp_save_state_is_not_complete_by_format_alone(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_publish_marks_a_checkpoint_complete_with_its_step(tmp_path: Path) -> No
     assert scan.read_published(tmp_path) == {"ckpt-a": 42}
     with pytest.raises(UserError, match="inside"):
         scan.write_publish_marker(str(tmp_path), "/elsewhere/x.pt", 1)
-    assert scan.by_step(["step-10", "step-9", "last"]) == ["last", "step-9", "step-10"]
+    assert scan.by_step(["step-10", "last", "step-9"]) == ["step-9", "step-10", "last"]
 
 
 # ---- the data channel -----------------------------------------------------------------------------
