@@ -249,6 +249,10 @@ class SimPath:
     def parent(self) -> SimPath:
         return SimPath(self.files, self.parts[:-1])
 
+    @property
+    def parents(self) -> tuple[SimPath, ...]:
+        return tuple(SimPath(self.files, self.parts[:i]) for i in range(len(self.parts) - 1, -1, -1))
+
     def iterdir(self) -> Iterator[SimPath]:
         return iter([self / n for n in self.files.listdir(self.parts)])
 
@@ -287,6 +291,24 @@ class Shared:
         if not want:
             return False
         return all((c := got.get(q)) is not None and c.whole and c.save == s for q, (s, _) in want.items())
+
+
+class SharedPath:
+    """A path into the shared checkpoint directory (what the node's real code asks exists)."""
+
+    __slots__ = ("shared", "parts")
+
+    def __init__(self, shared: Shared, parts: tuple[str, ...] = ()) -> None:
+        self.shared, self.parts = shared, parts
+
+    def __truediv__(self, other: object) -> SharedPath:
+        return SharedPath(self.shared, self.parts + tuple(str(other).split("/")))
+
+    def __str__(self) -> str:
+        return str(SHARED.joinpath(*self.parts))
+
+    def exists(self) -> bool:
+        return len(self.parts) == 1 and self.parts[0] in self.shared.committed
 
 
 # ---- a node: the real LocalTier, its I/O modelled ------------------------------------------------
@@ -342,7 +364,7 @@ class SimNode(LocalTier):
         self.staging, self.aside = root / "staging", root / "aside"
         self.settings = SimpleNamespace(keep=world.p.keep)  # type: ignore[assignment]
         self.budget, self.in_memory = world.p.budget, False
-        self.checkpoint_dir = SHARED  # type: ignore[assignment]
+        self.checkpoint_dir = SharedPath(world.shared)  # type: ignore[assignment]
         self.secret, self.attempt = "", world.attempt
         self.say = lambda text: None
         self.send = lambda msg: world.node_send(rank, msg)
