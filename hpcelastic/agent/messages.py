@@ -610,7 +610,9 @@ class TierRestore(Message):
     """Before ``round``'s :class:`Round`: restore checkpoint ``name`` ("" : none, clear the directory) from
     ``sources``, one per part (position, ``here`` | ``peer`` | ``persisted``, node rank, address, data
     port); ``path`` is its persisted copy; ``aside``: newer checkpoints not restored, whose files the node
-    moves out of the script's sight. Sent in chunks; ``last`` marks the final one."""
+    moves out of the script's sight. Sent in chunks; ``last`` marks the final one. With ``extra``: another
+    complete checkpoint the job holds in memory, placed too if it can be (a script may load it by name,
+    as Lightning loads ``last.ckpt``), after the round's own."""
 
     TAG = "tier_restore"
     round: int
@@ -620,6 +622,7 @@ class TierRestore(Message):
     sources: tuple[tuple[str, str, int, str, int], ...] = ()
     last: bool = True
     aside: tuple[str, ...] = ()
+    extra: bool = False
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> TierRestore:
@@ -633,6 +636,7 @@ class TierRestore(Message):
             sources,
             bool(d.get("last", True)),
             tuple(str(n) for n in d.get("aside", [])),
+            bool(d.get("extra")),
         )
 
 

@@ -77,12 +77,20 @@ class TierChecker:
 
     def planned(self, w: World, rank: int, plan: list[Any]) -> None:
         target = w.book._plan[1] if w.book._plan else None
-        sources = [s for msg in plan for s in getattr(msg, "sources", ())]
+        own = [msg for msg in plan if not getattr(msg, "extra", False)]
+        sources = [s for msg in own for s in getattr(msg, "sources", ())]
         self.plans[(rank, w.round)] = (target, sources)
         if rank == min(w.round_nodes):
             self._newest(w, target)
         if target is None:
             return
+        self._sources_held(w, rank, target, sources)
+        for msg in plan:  # the other complete checkpoints placed beside it: their sources hold them too
+            other = w.book.checkpoints.get(msg.name) if getattr(msg, "extra", False) else None
+            if other is not None:
+                self._sources_held(w, rank, other, list(msg.sources))
+
+    def _sources_held(self, w: World, rank: int, target: Any, sources: list[Any]) -> None:
         for pos, where, node, _a, _p in sources:
             if where == PERSISTED:
                 if not w.shared.committed_whole(target.name):

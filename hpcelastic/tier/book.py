@@ -153,19 +153,52 @@ class TierBook:
         aside = self._aside(target)
         if target is None:
             return [messages.TierRestore(rnd.round, "", aside=aside)]
-        sources = self._sources(target, node_rank, position_of(rnd))
+        out = self._plan_messages(rnd.round, target, node_rank, position_of(rnd), aside)
+        for other in self._extras(target, aside):
+            out += self._plan_messages(rnd.round, other, node_rank, position_of(rnd), (), extra=True)
+        return out
+
+    def _plan_messages(
+        self,
+        round: int,
+        c: Checkpoint,
+        node_rank: int,
+        position: str,
+        aside: tuple[str, ...],
+        extra: bool = False,
+    ) -> list[messages.Message]:
+        sources = self._sources(c, node_rank, position)
         return [
             messages.TierRestore(
-                rnd.round,
-                target.name,
-                target.step,
-                target.committed,
+                round,
+                c.name,
+                c.step,
+                c.committed,
                 tuple(sources[i : i + RESTORE_CHUNK]),
                 last=i + RESTORE_CHUNK >= len(sources),
                 aside=aside if i == 0 else (),
+                extra=extra,
             )
             for i in range(0, max(1, len(sources)), RESTORE_CHUNK)
         ]
+
+    def _extras(self, target: Checkpoint, aside: tuple[str, ...]) -> list[Checkpoint]:
+        """The other complete checkpoints live nodes hold whole (their current versions), newest first: every
+        node gets them too, as every rank would see them in a shared directory. Only those no node drops:
+        the newest safe one and any completed since (older ones go as soon as a newer one is safe)."""
+        live = set(self.members)
+        floor = max((c.seq or 0 for c in self.checkpoints.values() if c.safe and not c.abandoned), default=0)
+        return sorted(
+            (
+                c
+                for key, c in self.checkpoints.items()
+                if key == c.name and c is not target and c.name not in aside and c.complete
+                if (c.seq or 0) >= floor and not c.abandoned
+                if c.stored() and all(p.holders & live for p in c.stored())
+            ),
+            key=_newest,
+            reverse=True,
+        )
 
     def _aside(self, target: Checkpoint | None) -> tuple[str, ...]:
         """The checkpoints the book knows that are newer than ``target`` (by step) but not restored: torn,

@@ -526,6 +526,30 @@ class LocalTier:
             return self._restore_plan(round, plan)
 
     def _restore_plan(self, round: int, plan: list[messages.TierRestore]) -> Restored:
+        extras = [m for m in plan if m.extra]
+        plan = [m for m in plan if not m.extra]
+        restored = self._restore_target(round, plan)
+        if restored.error or not extras:
+            return restored
+        names = list(dict.fromkeys(m.name for m in extras))
+        for name in names:
+            self._restore_extra(name, [s for m in extras if m.name == name for s in m.sources])
+        return restored
+
+    def _restore_extra(self, name: str, sources: list[tuple[str, str, int, str, int]]) -> None:
+        """Another complete checkpoint the job holds, placed beside the round's own when every part can be;
+        one that cannot is said, and the round goes on."""
+        options: dict[str, list[tuple[str, str, int, str, int]]] = {}
+        for source in sources:
+            options.setdefault(source[0], []).append(source)
+        for position, part_sources in sorted(options.items()):
+            got, error = self._place_part(name, position, part_sources)
+            if got is None:
+                self.say(f"local checkpoint tier: {name} not placed beside the restored checkpoint: {error}")
+                return
+        self._known.add(name)
+
+    def _restore_target(self, round: int, plan: list[messages.TierRestore]) -> Restored:
         head = plan[0]
         t0 = time.monotonic()
         self._tidy_live(head.name, {name for msg in plan for name in msg.aside})

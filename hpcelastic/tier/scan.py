@@ -102,9 +102,14 @@ class Entry:
         return other is not None and other.files == self.files
 
 
+#: A version suffix that is not a step (Lightning's ``epoch=0-step=10-v1.ckpt``).
+VERSION_SUFFIX = re.compile(r"-v\d+(?=\.[^.]*$|$)")
+
+
 def step_of(name: str) -> int | None:
-    """The step a checkpoint's name carries: its last number (``step-000300.pt`` -> 300), else None."""
-    numbers = re.findall(r"\d+", name)
+    """The step a checkpoint's name carries: its last number (``step-000300.pt`` -> 300), else None; a
+    version suffix is not one (``epoch=0-step=10-v1.ckpt`` -> 10)."""
+    numbers = re.findall(r"\d+", VERSION_SUFFIX.sub("", name))
     return int(numbers[-1]) if numbers else None
 
 

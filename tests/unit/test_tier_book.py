@@ -303,21 +303,22 @@ def _random_run(rng: random.Random) -> None:
         else:
             assert not restorable, restorable
         for n, msgs in plans.items():
-            for pos, where, src, _addr, _port in (s for m in msgs for s in m.sources):
-                if where == PERSISTED:
-                    assert name in committed
-                elif where == HERE:
-                    assert n in holds.get((name, pos), set()), (n, name, pos, holds)
-                else:
-                    assert src in live and src in holds.get((name, pos), set()), (src, name, pos)
-            fetched = {pos for pos, where, *_ in (s for m in msgs for s in m.sources) if where == PEER}
-            for pos in fetched - {
-                pos for pos, where, *_ in (s for m in msgs for s in m.sources) if where == HERE
-            }:
-                if rng.random() < 0.2:
-                    continue  # the fetch failed: the book must not count it
-                holds[(name, pos)].add(n)
-                b.have(n, have(name, pos, kind="replica"))
+            for m in msgs:  # the round's checkpoint, then the others the job holds (``extra``)
+                for pos, where, src, _addr, _port in m.sources:
+                    if where == PERSISTED:
+                        assert m.name in committed and not m.extra
+                    elif where == HERE:
+                        assert n in holds.get((m.name, pos), set()), (n, m.name, pos, holds)
+                    else:
+                        assert src in live and src in holds.get((m.name, pos), set()), (src, m.name, pos)
+            for m_name in dict.fromkeys(m.name for m in msgs if m.name):
+                sources = [s for m in msgs if m.name == m_name for s in m.sources]
+                here = {pos for pos, where, *_ in sources if where == HERE}
+                for pos in {pos for pos, where, *_ in sources if where == PEER} - here:
+                    if rng.random() < 0.2:
+                        continue  # the fetch failed: the book must not count it
+                    holds[(m_name, pos)].add(n)
+                    b.have(n, have(m_name, pos, kind="replica"))
 
     new_round()
     for step in range(1, rng.randint(5, 40)):
@@ -358,8 +359,8 @@ def test_the_next_round_waits_while_a_checkpoint_completed_before_the_stop_is_an
     assert b.settling()  # node 1 is alive and will answer
     b.have(1, have("step-20", "1", step=20))
     assert not b.settling()
-    (msg,) = start_round(b, 1, {0: 0, 1: 1})[0]
-    assert msg.name == "step-20"
+    msg, *extras = start_round(b, 1, {0: 0, 1: 1})[0]
+    assert msg.name == "step-20" and [m.name for m in extras] == ["step-15"]
     b.have(0, have("step-25", "0", marker=True, step=25))
     b.lost(1)
     assert not b.settling()  # nobody left to answer: it is torn
@@ -377,3 +378,23 @@ def test_a_save_reported_after_a_node_of_its_round_is_lost_is_never_complete() -
     assert b.have(0, have("step-20", "0", marker=True, step=20)) == []  # said again: still torn
     (plan,) = start_round(b, 1, {0: 0, 1: 1})[0]
     assert plan.name == "" and plan.aside == ("step-20",)  # each node moves its files of it aside
+
+
+def test_every_node_also_gets_the_other_complete_checkpoints_the_job_holds() -> None:
+    """Lightning loads ``last.ckpt`` by name: a round restoring ``epoch=0-step=10.ckpt`` gives every node the
+    ``last.ckpt`` of step 5 too (as a shared directory would show it), after its own."""
+    b = book(nodes=2)
+    start_round(b, 0, {0: 0, 1: 1})
+    complete_checkpoint(b, "epoch=0-step=5.ckpt", 5)
+    b.have(0, have("last.ckpt", "0", marker=True, step=None))  # type: ignore[arg-type]
+    b.have(1, have("last.ckpt", "1", step=None))  # type: ignore[arg-type]
+    b.have(1, have("last.ckpt", "0", kind="replica"))
+    complete_checkpoint(b, "epoch=0-step=10.ckpt", 10)
+    plans = start_round(b, 1, {0: 0, 1: 1})
+    main, *extras = plans[1]
+    assert main.name == "epoch=0-step=10.ckpt" and not main.extra
+    assert [(m.name, m.extra, m.step) for m in extras] == [
+        ("last.ckpt", True, 5),
+        ("epoch=0-step=5.ckpt", True, 5),
+    ]
+    assert extras[0].sources[0][:3] == ("0", HERE, 1)  # node 1 holds last.ckpt's replica
