@@ -128,12 +128,14 @@ class TierBook:
         pos = self.position.pop(node_rank, None)
         self.flushing.discard(node_rank)
         actions: list[Action] = []
-        for c in self.checkpoints.values():
+        for key, c in self.checkpoints.items():
             for part in c.parts.values():
                 part.holders.discard(node_rank)
             if c.pending and pos is not None and pos in c.positions and pos not in c.answered:
                 c.abandoned = True
-            if c.persist and not c.committed:
+            # a version the name has since been saved over is never persisted again: the nodes' messages
+            # name a checkpoint, not a version, and its copies would count for the current one
+            if c.persist and not c.committed and key == c.name:
                 actions += self._persist_parts(c, only_owner=node_rank)
         return actions + self._settle_flush()
 
