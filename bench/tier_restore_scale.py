@@ -181,7 +181,17 @@ def groups(runs: list[Run]) -> list[list[Run]]:
     return list(out.values())
 
 
-def markdown(runs: list[Run], old: list[Run], old_label: str, load: tuple[float, float]) -> str:
+def head_commit(tree: Path) -> str:
+    """The short commit ``tree`` has checked out, and ``+ changes`` when its hpcelastic/ differs from it."""
+    git = ["git", "-C", str(tree)]
+    commit = subprocess.run([*git, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "hpcelastic"], capture_output=True)
+    return commit.stdout.strip() + (" + changes to hpcelastic/" if dirty.returncode else "")
+
+
+def markdown(
+    runs: list[Run], old: list[Run], old_label: str, load: tuple[float, float], heads: tuple[str, str]
+) -> str:
     head = (
         "| code | nodes | KB per node | success | restore median (s) | restore max (s) "
         "| failure to last node restored (s) | MB fetched (all nodes) | restored from (nodes, all runs) "
@@ -202,7 +212,12 @@ def markdown(runs: list[Run], old: list[Run], old_label: str, load: tuple[float,
         machine_line(),
         f"Load average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} "
         f"cores shared with other sessions; `net.core.somaxconn` {_somaxconn()}; open files "
-        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}.",
+        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}. This tree: HEAD {heads[0]}"
+        + (
+            f" at the start, {heads[1]} at the end (commits landed during the run)."
+            if heads[1] != heads[0]
+            else "."
+        ),
         "",
         "`hpcelastic run --nodes N --nproc-per-node 1 --no-warm-start --local-tier` (template "
         "`/dev/shm/...-{node}`, `restore: all`, 1 replica, every checkpoint persisted), "
@@ -258,7 +273,7 @@ def main() -> None:
     args = p.parse_args()
     raise_fd_limit()
     sizes = [int(n) for n in args.nodes.split(",")]
-    load0 = os.getloadavg()[0]
+    load0, head0 = os.getloadavg()[0], head_commit(REPO)
     runs: list[Run] = []
     old: list[Run] = []
     tmp = Path(tempfile.mkdtemp(prefix="tier-restore-"))
@@ -290,7 +305,7 @@ def main() -> None:
             text=True,
         ).stdout.strip()
         label = f"before issue 27 ({commit})" if commit == "055b1be" else f"old ({commit or args.old})"
-    md = markdown(runs, old, label, (load0, os.getloadavg()[0]))
+    md = markdown(runs, old, label, (load0, os.getloadavg()[0]), (head0, head_commit(REPO)))
     print(md)
     if not args.no_write:
         update_section(SECTION, md)
