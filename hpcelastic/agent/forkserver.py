@@ -311,13 +311,16 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # the agent stops the server by hanging up
     problem = _preload(modules)
-    if problem is not None:
-        send(sock, {"error": problem})
-        return
-    import gc
+    try:
+        if problem is not None:
+            send(sock, {"error": problem})
+            return
+        import gc
 
-    gc.freeze()  # the preloads' objects: never collected, so forks share their pages
-    send(sock, {"ready": True, "pid": os.getpid()})
+        gc.freeze()  # the preloads' objects: never collected, so forks share their pages
+        send(sock, {"ready": True, "pid": os.getpid()})
+    except OSError:
+        return  # the agent hung up while the preloads ran (it gave up, or ended): nothing to serve
     server_pid = os.getpid()
     server = _Server(sock)
     req = server.serve()
