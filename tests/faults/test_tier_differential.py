@@ -60,13 +60,10 @@ LAYOUTS = [
         holding(r"step_(\d+)", "model.safetensors.index.json", "model-*-of-*.safetensors", "optimizer.pt"),
     ),
 ]  # fmt: skip
-#: Three groups for ``-n 3 --dist loadgroup`` (tests/conftest.py): the heavy imports (Trainer, Lightning)
-#: apart, each group about as long as the others.
-GROUPS = {
-    "hf-trainer": 0, "lightning-last": 1, "accelerate-ddp": 2, "accelerate-fsdp-sharded": 2,
-    "accelerate-fsdp-full": 0, "dcp-flat": 1, "dcp-nested": 2, "dcp-async": 0,
-    "torch-save-one-file": 1, "torch-save-two-files": 2, "safetensors-index": 1,
-}  # fmt: skip
+#: One group for ``-n 3 --dist loadgroup`` (tests/conftest.py): the pairs run one after another on one
+#: worker. Each pair is 8 torch processes on this 2-core machine; two or three pairs at once beside the other
+#: tests ran past the pair's 480 s (a CI run here: DCP flat and nested, both runs alive at the limit).
+GROUP = "tier-differential"
 
 
 #: Layouts the tier does not yet keep to the rule, each with what was seen (issue 27 stays open for them):
@@ -83,7 +80,7 @@ def cases() -> list[object]:
     out = []
     for layout in LAYOUTS:
         fault = BETWEEN if layout.name == "torch-save-one-file" else MID_SAVE_THEN_BETWEEN
-        marks = [pytest.mark.slow, pytest.mark.xdist_group(name=f"tier-differential-{GROUPS[layout.name]}")]
+        marks = [pytest.mark.slow, pytest.mark.xdist_group(name=GROUP)]
         if layout.name in KNOWN_FAILING:
             marks.append(pytest.mark.xfail(reason=KNOWN_FAILING[layout.name], run=False, strict=True))
         out.append(pytest.param(layout, fault, id=f"{layout.name}-{fault.name}", marks=marks))
