@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from hpcelastic.events import Event, EventName
 from hpcelastic.reasons import Reason, RestartCause
+from hpcelastic.slow.sample import RankSample
 
 Wire = dict[str, Any]
 Failure = Mapping[str, Any]
@@ -316,6 +317,41 @@ class Saving(Message):
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Saving:
         return cls(int(d["round"]), bool(d["saving"]), _optional_float(d.get("idle_s")))
+
+
+@dataclass(frozen=True)
+class SlowSample(Message):
+    """This node's evidence for the slow-node detector (hpcelastic/slow/), every few seconds while it is on:
+    per rank its steps and its latest collectives (:class:`~hpcelastic.slow.sample.RankSample`);
+    ``sent_ns``: the agent's wall clock when sent (the coordinator estimates the node's clock offset from
+    it); ``rtt_s``: the agent's latest heartbeat round trip to the coordinator (None: none yet)."""
+
+    TAG = "slow"
+    round: int
+    sent_ns: int
+    rtt_s: float | None = None
+    ranks: tuple[RankSample, ...] = ()
+
+    def wire(self) -> Wire:
+        return {
+            "t": self.TAG,
+            "round": self.round,
+            "sent_ns": self.sent_ns,
+            "rtt_s": self.rtt_s,
+            "ranks": [r.wire() for r in self.ranks],
+        }
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> SlowSample:
+        ranks = d.get("ranks", [])
+        if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+            raise TypeError("ranks must be a list of objects")
+        return cls(
+            int(d["round"]),
+            int(d["sent_ns"]),
+            _optional_float(d.get("rtt_s")),
+            tuple(RankSample.from_wire(r) for r in ranks),
+        )
 
 
 # ---- the local checkpoint tier (hpcelastic/tier/): agent -> coordinator ---------------------------
@@ -688,6 +724,7 @@ FROM_AGENT = _table(
     Saving,
     TierHave,
     TierFlush,
+    SlowSample,
 )
 #: What an agent accepts from its coordinator once joined.
 FROM_COORDINATOR = _table(
