@@ -331,6 +331,9 @@ def main() -> None:
     from hpcelastic.tier import step_clock  # the tier's evidence that a save ended (a no-op without it)
 
     step_clock.install_from_env()
+    from hpcelastic.slow import arrivals  # who the others wait for (a no-op unless slow-node detection is on)
+
+    arrivals.install_from_env()
     _run_script(req["argv"][0])
 
 

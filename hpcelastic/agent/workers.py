@@ -42,6 +42,7 @@ from hpcelastic.agent.messages import Round
 from hpcelastic.agent.watchdog import Watchdog, session_pids
 from hpcelastic.parse import parse_signal
 from hpcelastic.rundir import RunDir
+from hpcelastic.slow import arrivals
 from hpcelastic.tier import step_clock
 from hpcelastic.worker import ENV_CHECKPOINT_TIER
 
@@ -180,6 +181,8 @@ class WorkerConfig:
     console: str = "all"  # which workers' output reaches the console (agent/console.py)
     #: ``checkpoint_dir`` is the node-local checkpoint tier's directory (hpcelastic/tier/).
     local_tier: bool = False
+    #: The node's directory for slow-node detection's files (hpcelastic/slow/); None: detection is off.
+    slow_dir: Path | None = None
 
 
 #: Set for workers whose checkpoint dir is the node-local tier: ``worker.publish_checkpoint`` marks the
@@ -236,6 +239,9 @@ def worker_env(
     else:
         env.pop(TIER_VARIABLE, None)
         env.pop(step_clock.VARIABLE, None)
+    if cfg.slow_dir is not None:  # the collectives' arrivals and, without the tier's, a step clock
+        env[arrivals.VARIABLE] = str(cfg.slow_dir)
+        env.setdefault(step_clock.VARIABLE, str(arrivals.clock_path(cfg.slow_dir, rank)))
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     if share and "OMP_NUM_THREADS" not in cfg.environ:
