@@ -1,0 +1,249 @@
+"""Which node holds a slow job back, and why: pure, from when each rank issued each collective.
+
+In synchronous training every rank waits in each collective for the last one to issue it, so the rank
+that holds the job back is the one that arrives last (and waits least), at nearly every collective.
+Per collective ``(pg, seq)`` each rank's issue time ``a_r`` is first corrected by that rank's own usual
+lateness in healthy windows (``baseline_lateness``); a node's lateness at that collective is
+``max(a_r, r on the node) - max(a_r, r elsewhere)``: positive exactly when the node is last, by how much
+it kept the latest other rank waiting. A node is named when that lateness, at the
+:data:`QUANTILE` (a quarter) of the window's collectives, exceeds :func:`threshold`: a share of the time
+the job lost per collective (``gap x (1 - ratio)``, ``gap`` the window's time between collectives) and at
+least :data:`FLOOR_S`. So it must be last at more than three quarters of the collectives, late enough to
+explain a good part of the loss: 15 % per-rank jitter moves the last rank around, a workload stripe (a
+different rank, or one rank every k-th step, last) leaves the quantile at or below zero, and a job-wide
+slowdown names nobody. Within the node a rank is named when it is the node's last at
+:data:`RANK_SHARE` of the collectives.
+
+Kind: ``input`` when the named ranks' sampled stacks sit in data loading (DataLoader ``__next__``/
+``_next_data``, a dataset's ``__getitem__``) at least :data:`INPUT_SHARE` of the time and clearly more than
+the others'; ``compute`` otherwise, with the GPU's NVML facts as detail (clocks, throttle reasons, power).
+With no rank late: ``network`` when one node's link round trip rose (:data:`RTT_RISE` times its healthy
+value, or the other nodes' without one) while no other node's did; with no collectives to go by, ``compute``
+for the one node whose GPUs report a hardware slowdown; else ``job-wide``.
+
+Clock skew between nodes: arrival times are on each node's wall clock; the detector first moves them to
+the coordinator's by each node's estimated offset, and the per-rank baseline lateness then cancels what is
+left of a constant skew, of any size. Skew tolerated without a baseline (a node slow since the round's
+start): what the offset estimate leaves, up to half the round trip, below :func:`threshold`. A drift
+between two baseline updates (every healthy window) below :data:`FLOOR_S` is tolerated; NTP-disciplined
+clocks drift well under a millisecond a minute.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hpcelastic.slow.sample import GpuFacts
+from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
+
+#: Collectives seen on two nodes or more that a window needs before any node is named by them.
+MIN_COLLECTIVES = 12
+#: The quantile of a node's lateness that must exceed the threshold.
+QUANTILE = 0.25
+#: The share of the job's lost time per collective the named node must explain, and the least lateness.
+EXPLAIN = 0.25
+FLOOR_S = 0.001
+#: A rank is named within its node when it is the node's last at this share of the collectives.
+RANK_SHARE = 0.8
+#: Stacks in data loading: at least this share, and this much more than the other ranks' median.
+INPUT_SHARE = 0.5
+INPUT_MARGIN = 0.25
+#: A node's link round trip rose this many times (others: less than :data:`RTT_CALM`), by at least
+#: :data:`RTT_FLOOR_S`.
+RTT_RISE = 2.0
+RTT_CALM = 1.5
+RTT_FLOOR_S = 0.0005
+#: Function names of data loading frames (torch.utils.data's, and any dataset's ``__getitem__``).
+DATA_FRAMES = frozenset({"__next__", "_next_data", "__getitem__", "__getitems__", "_get_data", "fetch"})
+
+Key = tuple[int, int]  # (process group id, sequence number)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the detector holds for one window (times in seconds on the coordinator's clock)."""
+
+    #: (pg, seq) -> rank -> when the rank issued it, skew-corrected.
+    arrivals: Mapping[Key, Mapping[int, float]]
+    node_of: Mapping[int, str]
+    #: rank -> its median lateness (vs the median rank) in healthy windows.
+    baseline_lateness: Mapping[int, float] = field(default_factory=dict)
+    #: node -> its link's round trip now, and in healthy windows.
+    rtt: Mapping[str, float] = field(default_factory=dict)
+    baseline_rtt: Mapping[str, float] = field(default_factory=dict)
+    #: rank -> share of its recent stack samples in data loading.
+    input_share: Mapping[int, float] = field(default_factory=dict)
+    gpus: Mapping[int, GpuFacts] = field(default_factory=dict)
+
+
+def in_data_loading(functions: list[str] | tuple[str, ...]) -> bool:
+    """A stack (its frames' function names) is in data loading."""
+    return any(f in DATA_FRAMES for f in functions)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, low side)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered))))]
+
+
+def rank_lateness(arrivals: Mapping[Key, Mapping[int, float]]) -> dict[int, float]:
+    """Each rank's median lateness vs the median rank over ``arrivals`` (what a healthy window adds to a
+    rank's baseline: its residual clock skew and its usual place)."""
+    per: dict[int, list[float]] = {}
+    for times in arrivals.values():
+        if len(times) >= 2:
+            mid = statistics.median(times.values())
+            for rank, t in times.items():
+                per.setdefault(rank, []).append(t - mid)
+    return {rank: statistics.median(v) for rank, v in per.items()}
+
+
+def gap_s(arrivals: Mapping[Key, Mapping[int, float]]) -> float:
+    """The window's time between consecutive collectives of a group (median over ranks and pairs)."""
+    per_rank: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for (pg, seq), times in arrivals.items():
+        for rank, t in times.items():
+            per_rank.setdefault((rank, pg), []).append((seq, t))
+    gaps = []
+    for series in per_rank.values():
+        series.sort()
+        gaps += [
+            (t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(series, series[1:], strict=False) if s1 > s0
+        ]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def threshold(gap: float, ratio: float) -> float:
+    """The lateness a node must keep up: :data:`EXPLAIN` of the time lost per collective, at least
+    :data:`FLOOR_S`."""
+    return max(FLOOR_S, EXPLAIN * gap * max(0.0, 1.0 - ratio))
+
+
+@dataclass(frozen=True)
+class NodeLateness:
+    """How late one node was over a window's collectives."""
+
+    node: str
+    collectives: int
+    last_share: float  # share of the collectives where it was last
+    late_q: float  # lateness at :data:`QUANTILE` (s)
+    late_median: float
+    rank: int | None  # its rank that was last within it at :data:`RANK_SHARE`, if any
+
+
+def node_lateness(ev: Evidence) -> list[NodeLateness]:
+    """Every node's lateness over the collectives it shares with another node."""
+    late: dict[str, list[float]] = {}
+    last_rank: dict[str, dict[int, int]] = {}
+    for times in ev.arrivals.values():
+        corrected: dict[str, dict[int, float]] = {}
+        for rank, t in times.items():
+            node = ev.node_of.get(rank)
+            if node is not None:
+                corrected.setdefault(node, {})[rank] = t - ev.baseline_lateness.get(rank, 0.0)
+        if len(corrected) < 2:
+            continue
+        latest = {node: max(ranks.values()) for node, ranks in corrected.items()}
+        for node, ranks in corrected.items():
+            others = max(v for n, v in latest.items() if n != node)
+            late.setdefault(node, []).append(latest[node] - others)
+            who = max(ranks, key=lambda r: ranks[r])
+            counts = last_rank.setdefault(node, {})
+            counts[who] = counts.get(who, 0) + 1
+    out = []
+    for node, values in late.items():
+        n = len(values)
+        counts = last_rank[node]
+        top = max(counts, key=lambda r: counts[r])
+        out.append(
+            NodeLateness(
+                node,
+                n,
+                sum(v > 0 for v in values) / n,
+                quantile(values, QUANTILE),
+                statistics.median(values),
+                top if len(counts) == 1 or counts[top] >= RANK_SHARE * n else None,
+            )
+        )
+    return sorted(out, key=lambda x: (-x.late_q, x.node))
+
+
+def locate(ev: Evidence, window: PaceWindow) -> SlowVerdict:
+    """The verdict for a slow ``window``: who holds the job back and why, or job-wide."""
+    pace = f"job at {window.ratio:.0%} of its pace"
+    nodes = node_lateness(ev)
+    enough = [n for n in nodes if n.collectives >= MIN_COLLECTIVES]
+    limit = threshold(gap_s(ev.arrivals), window.ratio)
+    network = _network(ev)
+    if enough and enough[0].late_q >= limit:
+        return _late_node(ev, window, enough[0], pace, network)
+    if enough and network is not None:
+        node, detail = network
+        return SlowVerdict(window, SlowKind.NETWORK, node=node, detail=f"{detail}; no rank late; {pace}")
+    if not enough:
+        gpu = _gpu_only(ev)
+        if gpu is not None:
+            node, detail = gpu
+            return SlowVerdict(window, SlowKind.COMPUTE, node=node, detail=f"{detail}; {pace}")
+    why = "no node late at most collectives" if enough else "too few collectives seen on two nodes"
+    return SlowVerdict(window, SlowKind.JOB_WIDE, detail=f"{why}; {pace}")
+
+
+def _late_node(
+    ev: Evidence, window: PaceWindow, late: NodeLateness, pace: str, network: tuple[str, str] | None
+) -> SlowVerdict:
+    """The late node's verdict: its link (its round trip rose: the collectives' results reach it last),
+    its input, or its compute."""
+    ranks = [late.rank] if late.rank is not None else [r for r, n in ev.node_of.items() if n == late.node]
+    who = f"rank {late.rank}" if late.rank is not None else f"node {late.node}"
+    detail = (
+        f"{who} last at {late.last_share:.0%} of {late.collectives} collectives, "
+        f"{late.late_median * 1e3:.0f} ms after the others (median); {pace}"
+    )
+    if network is not None and network[0] == late.node:
+        return SlowVerdict(window, SlowKind.NETWORK, node=late.node, detail=f"{network[1]}; {detail}")
+    shares = [ev.input_share[r] for r in ranks if r in ev.input_share]
+    others = [s for r, s in ev.input_share.items() if r not in ranks]
+    busiest = max(shares, default=0.0)
+    if busiest >= INPUT_SHARE and busiest >= statistics.median(others or [0.0]) + INPUT_MARGIN:
+        detail += f"; {busiest:.0%} of its stacks in data loading"
+        return SlowVerdict(window, SlowKind.INPUT, node=late.node, rank=late.rank, detail=detail)
+    gpu_notes = [f"GPU of rank {r}: {', '.join(ev.gpus[r].degraded())}" for r in ranks if r in ev.gpus]
+    gpu_notes = [n for n in gpu_notes if not n.endswith(": ")]
+    if gpu_notes:
+        detail += "; " + "; ".join(gpu_notes)
+    return SlowVerdict(window, SlowKind.COMPUTE, node=late.node, rank=late.rank, detail=detail)
+
+
+def _network(ev: Evidence) -> tuple[str, str] | None:
+    """The one node whose link round trip rose while the others' did not."""
+    rises: dict[str, tuple[float, float]] = {}
+    for node, rtt in ev.rtt.items():
+        ref = ev.baseline_rtt.get(node)
+        if ref is None:
+            others = [v for n, v in ev.rtt.items() if n != node]
+            ref = statistics.median(others) if others else None
+        if ref is not None and ref > 0:
+            rises[node] = (rtt / ref, rtt - ref)
+    up = [n for n, (rise, delta) in rises.items() if rise >= RTT_RISE and delta >= RTT_FLOOR_S]
+    if len(up) != 1 or any(rise >= RTT_CALM for n, (rise, _) in rises.items() if n != up[0]):
+        return None
+    node = up[0]
+    return node, f"link round trip {ev.rtt[node] * 1e3:.1f} ms, {rises[node][0]:.1f}x its usual"
+
+
+def _gpu_only(ev: Evidence) -> tuple[str, str] | None:
+    """The one node whose GPUs report a hardware slowdown, when no collectives say more."""
+    bad: dict[str, list[str]] = {}
+    for rank, facts in ev.gpus.items():
+        why = facts.degraded()
+        node = ev.node_of.get(rank)
+        if why and node is not None:
+            bad.setdefault(node, []).append(f"GPU of rank {rank}: {', '.join(why)}")
+    if len(bad) != 1 or len({n for r, n in ev.node_of.items() if r in ev.gpus}) < 2:
+        return None
+    node, notes = next(iter(bad.items()))
+    return node, "; ".join(notes) + " (NVML; no collectives to compare)"

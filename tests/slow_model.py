@@ -1,0 +1,79 @@
+"""A model of synchronous data-parallel training's collectives, for the slow-node detector's unit tests.
+
+Each step runs ``buckets`` collectives; before each a rank computes its share of the step (``compute`` s a
+step, with uniform per-rank jitter, divided by its speed, doubled on a stripe's steps); every rank leaves a
+collective ``comm`` after the last one issued it (plus its node's ``link_lag``: the results reach a node
+behind a slow link last). Issue times are on each node's clock (``skew`` added).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hpcelastic.slow.locate import Key
+
+Speed = Callable[[int, float], float]  # (rank, time) -> speed (1.0: healthy)
+
+
+@dataclass
+class Run:
+    """What the model produced: arrivals, and per rank the wall time of each step's end (its clock)."""
+
+    arrivals: dict[Key, dict[int, float]] = field(default_factory=dict)
+    step_ends: dict[int, list[float]] = field(default_factory=dict)
+    node_of: dict[int, str] = field(default_factory=dict)
+    end: float = 0.0
+    steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.steps / self.end
+
+
+def simulate(
+    *,
+    nodes: int = 2,
+    per_node: int = 2,
+    steps: int = 40,
+    buckets: int = 2,
+    compute: float = 0.1,
+    jitter: float = 0.15,
+    comm: float = 0.005,
+    speed: Speed | None = None,
+    stripe: Callable[[int, int], bool] | None = None,
+    link_lag: dict[str, float] | None = None,
+    skew: dict[str, float] | None = None,
+    seed: int = 0,
+    start: float = 0.0,
+) -> Run:
+    rng = random.Random(seed)
+    world = nodes * per_node
+    run = Run(node_of={r: f"n{r // per_node}" for r in range(world)})
+    done = dict.fromkeys(range(world), start)
+    seq = 0
+    for step in range(steps):
+        for _ in range(buckets):
+            issue = {}
+            for r in range(world):
+                work = compute / buckets * (1 + rng.uniform(-jitter, jitter))
+                work /= speed(r, done[r]) if speed else 1.0
+                if stripe is not None and stripe(step, r):
+                    work *= 2
+                issue[r] = done[r] + work
+            seq += 1
+            last = max(issue.values())
+            for r in range(world):
+                done[r] = last + comm + (link_lag or {}).get(run.node_of[r], 0.0)
+            run.arrivals[(0, seq)] = {r: t + (skew or {}).get(run.node_of[r], 0.0) for r, t in issue.items()}
+        for r in range(world):
+            run.step_ends.setdefault(r, []).append(done[r] + (skew or {}).get(run.node_of[r], 0.0))
+    run.end = max(done.values()) - start
+    run.steps = steps
+    return run
+
+
+def slowed(ranks: set[int], factor: float, after: float = 0.0) -> Speed:
+    """``ranks`` run at ``factor`` of their speed from ``after`` on."""
+    return lambda r, t: factor if r in ranks and t >= after else 1.0

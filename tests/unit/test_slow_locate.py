@@ -1,0 +1,157 @@
+"""Localizing a slow job (hpcelastic/slow/locate.py): who arrives last at the collectives, and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from hpcelastic.slow import locate as loc
+from hpcelastic.slow.sample import HW_THERMAL, SW_POWER_CAP, GpuFacts
+from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
+from tests.slow_model import Run, simulate, slowed
+
+HEALTHY = simulate(seed=999)
+SEEDS = range(20)
+
+
+def verdict(run: Run, base: Run = HEALTHY, **evidence: object) -> SlowVerdict:
+    ev = loc.Evidence(arrivals=run.arrivals, node_of=run.node_of, **evidence)  # type: ignore[arg-type]
+    return loc.locate(ev, PaceWindow(0.0, run.end, run.rate, base.rate))
+
+
+def outcomes(**model: object) -> Counter[tuple[str, str | None, int | None]]:
+    found: Counter[tuple[str, str | None, int | None]] = Counter()
+    for seed in SEEDS:
+        v = verdict(simulate(seed=seed, **model))  # type: ignore[arg-type]
+        found[(v.kind.value, v.node, v.rank)] += 1
+    return found
+
+
+@pytest.mark.parametrize("speed", [0.5, 0.7])
+def test_a_slow_rank_is_named_compute_with_its_node_in_19_of_20_runs_under_15_percent_jitter(
+    speed: float,
+) -> None:
+    found = outcomes(speed=slowed({3}, speed))
+    assert found[("compute", "n1", 3)] >= 19, found
+    assert all(node in (None, "n1") for _, node, _ in found), found
+
+
+def test_a_rank_at_85_percent_is_named_mostly_and_never_the_wrong_node() -> None:
+    found = outcomes(speed=slowed({3}, 0.85))
+    assert found[("compute", "n1", 3)] >= 15, found
+    assert all(node in (None, "n1") for _, node, _ in found), found
+
+
+def test_a_whole_slow_node_is_named_without_a_rank() -> None:
+    found = outcomes(nodes=4, per_node=4, speed=slowed({4, 5, 6, 7}, 0.6))
+    assert found[("compute", "n1", None)] >= 19, found
+
+
+def test_input_when_the_late_rank_sits_in_data_loading() -> None:
+    run = simulate(speed=slowed({3}, 0.6))
+    shares = {0: 0.05, 1: 0.1, 2: 0.0, 3: 0.8}
+    v = verdict(run, input_share=shares)
+    assert (v.kind, v.node, v.rank) == (SlowKind.INPUT, "n1", 3)
+    assert "80% of its stacks in data loading" in v.detail
+    # every rank loads data as much: the late one is slow at computing
+    assert verdict(run, input_share=dict.fromkeys(range(4), 0.6)).kind is SlowKind.COMPUTE
+
+
+def test_stack_samples_in_data_loading() -> None:
+    assert loc.in_data_loading(["_next_data", "__next__", "main"])
+    assert loc.in_data_loading(["__getitem__", "_worker_loop"])
+    assert not loc.in_data_loading(["backward", "main"])
+
+
+def test_network_when_no_rank_is_late_but_one_nodes_round_trip_rose() -> None:
+    run = simulate(comm=0.06)  # the job's collectives take long; nobody arrives late
+    rtt = {"n0": 0.0004, "n1": 0.006}
+    v = verdict(run, rtt=rtt, baseline_rtt={"n0": 0.0004, "n1": 0.0005})
+    assert (v.kind, v.node) == (SlowKind.NETWORK, "n1")
+    assert verdict(run, rtt=rtt).node == "n1"  # no healthy round trips yet: against the other nodes'
+    # both links slower alike, or no round trips at all: nothing to name
+    assert (
+        verdict(run, rtt={"n0": 0.006, "n1": 0.006}, baseline_rtt={"n0": 0.0004, "n1": 0.0004}).node is None
+    )
+    assert verdict(run).kind is SlowKind.JOB_WIDE
+
+
+def test_network_when_the_slow_links_node_arrives_late_because_results_reach_it_last() -> None:
+    run = simulate(comm=0.04, link_lag={"n1": 0.03})
+    assert verdict(run).kind is SlowKind.COMPUTE  # arrivals alone cannot tell
+    v = verdict(run, rtt={"n0": 0.0004, "n1": 0.005})
+    assert (v.kind, v.node) == (SlowKind.NETWORK, "n1")
+
+
+def test_job_wide_slowdowns_never_name_a_node() -> None:
+    everyone = outcomes(speed=slowed({0, 1, 2, 3}, 0.7))  # a CPU hog on every node alike
+    assert set(everyone) == {("job-wide", None, None)}, everyone
+
+
+def test_a_rotating_stripe_is_job_wide() -> None:
+    found = outcomes(stripe=lambda step, rank: step % 4 == rank)  # a different rank last every step
+    assert set(found) == {("job-wide", None, None)}, found
+    found = outcomes(nodes=4, per_node=8, stripe=lambda step, rank: step % 32 == rank)
+    assert set(found) == {("job-wide", None, None)}, found
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_one_rank_given_more_data_every_kth_step_is_job_wide(k: int) -> None:
+    found = outcomes(stripe=lambda step, rank: rank == 3 and step % k == 0)
+    assert set(found) == {("job-wide", None, None)}, found
+
+
+def test_jitter_alone_never_names_a_node_however_slow_the_job() -> None:
+    for model in (dict(comm=0.05), dict(nodes=4, per_node=8, comm=0.05)):
+        found = outcomes(jitter=0.15, **model)  # type: ignore[arg-type]
+        assert set(found) == {("job-wide", None, None)}, found
+
+
+def test_clock_skew_cancels_against_each_ranks_healthy_lateness() -> None:
+    skew = {"n1": 0.08}  # node 1's clock 80 ms ahead: its ranks look 80 ms late at every collective
+    healthy = simulate(seed=7, skew=skew)
+    baseline = loc.rank_lateness(healthy.arrivals)
+    assert baseline[2] - baseline[0] == pytest.approx(0.08, abs=0.02)
+    jobwide = simulate(seed=8, skew=skew, speed=slowed({0, 1, 2, 3}, 0.7))
+    assert verdict(jobwide).node == "n1"  # without the baseline the skew reads as lateness
+    assert verdict(jobwide, baseline_lateness=baseline).kind is SlowKind.JOB_WIDE
+    straggler = simulate(seed=9, skew=skew, speed=slowed({1}, 0.6))
+    v = verdict(straggler, baseline_lateness=baseline)
+    assert (v.kind, v.node, v.rank) == (SlowKind.COMPUTE, "n0", 1)
+
+
+def test_too_few_collectives_name_no_one() -> None:
+    run = simulate(steps=4, speed=slowed({3}, 0.5))
+    v = verdict(run)
+    assert v.kind is SlowKind.JOB_WIDE and "too few collectives" in v.detail
+
+
+def test_gpu_facts_explain_a_compute_verdict() -> None:
+    run = simulate(speed=slowed({3}, 0.5))
+    gpus = {
+        0: GpuFacts(1980, 1980, SW_POWER_CAP, 690.0, 700.0),  # at its power limit: healthy under load
+        3: GpuFacts(990, 1980, HW_THERMAL, 350.0, 700.0, 92),
+    }
+    v = verdict(run, gpus=gpus)
+    assert (v.kind, v.rank) == (SlowKind.COMPUTE, 3)
+    assert "GPU of rank 3: HW thermal slowdown, SM clock 990/1980 MHz" in v.detail
+    assert GpuFacts(1980, 1980, SW_POWER_CAP).degraded() == []
+
+
+def test_without_collectives_nvml_names_the_one_node_with_a_degraded_gpu() -> None:
+    window = PaceWindow(0.0, 10.0, 5.0, 10.0)
+    node_of = {0: "n0", 1: "n0", 2: "n1", 3: "n1"}
+    healthy = GpuFacts(1980, 1980)
+    gpus = {0: healthy, 1: healthy, 2: GpuFacts(700, 1980, 0x8), 3: healthy}
+    v = loc.locate(loc.Evidence(arrivals={}, node_of=node_of, gpus=gpus), window)
+    assert (v.kind, v.node) == (SlowKind.COMPUTE, "n1") and "HW slowdown" in v.detail
+    both = {**gpus, 0: GpuFacts(700, 1980, 0x8)}
+    assert loc.locate(loc.Evidence(arrivals={}, node_of=node_of, gpus=both), window).node is None
+
+
+def test_gap_is_the_time_between_collectives_even_subsampled() -> None:
+    run = simulate(jitter=0.0, comm=0.0, buckets=1, compute=0.1)
+    every_fourth = {k: v for k, v in run.arrivals.items() if k[1] % 4 == 0}
+    assert loc.gap_s(run.arrivals) == pytest.approx(0.1)
+    assert loc.gap_s(every_fourth) == pytest.approx(0.1)
