@@ -12,8 +12,9 @@ does not count toward it, and is not judged, while the round warms up (before it
 :attr:`PaceConfig.warmup_steps`-th step: the first steps compile, load and allocate) or when it overlaps a
 checkpoint save the detector was told of. A window below :attr:`PaceConfig.slow_ratio` of the baseline is
 slow; :attr:`PaceConfig.consecutive` slow windows in a row are a sustained drop (a save in between neither
-breaks nor extends the run). Slow windows never enter the baseline; :meth:`Pace.rebaseline` accepts the
-current pace as the new normal (the detector's call, for a job-wide change that stays).
+breaks nor extends the run); the time such a window lost is ``policy.lost_s``. Slow windows never enter
+the baseline; :meth:`Pace.rebaseline` accepts the current pace as the new normal (the detector's call,
+for a job-wide change that stays).
 """
 
 from __future__ import annotations
@@ -65,11 +66,6 @@ class Judged:
     window: PaceWindow
     judgement: Judgement
     sustained: bool = False
-
-
-def lost_s(window: PaceWindow) -> float:
-    """Time the window lost to running below the baseline: its length x (1 - rate / baseline)."""
-    return (window.end - window.start) * max(0.0, 1.0 - window.ratio)
 
 
 class _Source:

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from hpcelastic.slow.pace import Judged, Judgement, Pace, PaceConfig, lost_s
-from hpcelastic.slow.verdict import PaceWindow
+from hpcelastic.slow.pace import Judged, Judgement, Pace, PaceConfig
 
 CFG = PaceConfig(window_s=10.0, consecutive=3, min_baseline=3, warmup_steps=5, lag_s=12.0, settle_s=0.0)
 
@@ -39,7 +38,7 @@ def test_steady_training_is_healthy_and_its_rate_is_the_baseline() -> None:
     assert all(j.window.steps_per_s == pytest.approx(4.0, rel=0.05) for j in out)
 
 
-def test_a_sustained_drop_hands_out_its_windows_once_it_is_sustained_with_their_lost_time() -> None:
+def test_a_sustained_drop_hands_out_its_windows_once_it_is_sustained() -> None:
     pace = Pace(CFG)
     t, steps = feed(pace, lambda t: 4.0, 100.0)
     healthy = judged(pace, t)
@@ -54,7 +53,6 @@ def test_a_sustained_drop_hands_out_its_windows_once_it_is_sustained_with_their_
     assert starts == sorted(starts) and len(set(starts)) == len(starts)  # each window once, in order
     full = [j for j in slow if j.window.start >= 100.0]
     assert full[0].window.ratio == pytest.approx(0.5, abs=0.03)
-    assert lost_s(full[0].window) == pytest.approx(5.0, abs=0.3)
     assert pace.baseline == pytest.approx(4.0, rel=0.01)  # slow windows never enter it
 
 
@@ -65,7 +63,6 @@ def test_a_transient_dip_is_handed_out_unsustained_when_the_pace_comes_back() ->
     out = judged(pace, 160.0)
     slow = [j for j in out if j.judgement is Judgement.SLOW]
     assert slow and not any(j.sustained for j in slow)
-    assert lost_s(PaceWindow(0, 10, 4.0, 4.0)) == 0.0
 
 
 def test_slow_first_steps_of_a_round_are_not_judged_nor_counted() -> None:
