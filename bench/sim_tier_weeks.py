@@ -125,7 +125,10 @@ def main() -> int:
     old_commit = subprocess.run(
         ["git", "-C", str(old), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    new_name, old_name = f"this tree (HEAD {head} + working tree)", f"before ({old_commit or args.old})"
+    status = ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]
+    dirty = subprocess.run(status, capture_output=True, text=True).stdout.strip()
+    new_name = f"this tree (HEAD {head}{' + working tree' if dirty else ''})"
+    old_name = f"before ({old_commit or args.old})"
     nodes = collections.Counter(r["nodes"] for r in new_rows)
     md = [
         "## Simulated weeks with the checkpoint tier (bench/sim_tier_weeks.py)",

@@ -41,9 +41,6 @@ from hpcelastic.tier.node import LocalTier, Restored
 NEW_NODE = hasattr(LocalTier, "_notice_changes")
 #: ``_report_own`` takes whether the part completes the checkpoint (older ones read the entry's marker).
 REPORT_FINAL = "final" in inspect.signature(LocalTier._report_own).parameters
-_TIDY_ARGS = frozenset(
-    inspect.signature(getattr(LocalTier, "_tidy_live", lambda self, keep: None)).parameters
-)
 _ROUND_FIELDS = frozenset(f.name for f in dataclasses.fields(messages.Round))
 SHARED = PurePosixPath("/shared")
 #: Save styles: DCP (shards everywhere, ``.metadata`` last on position 0), a ``torch.save`` file per rank
@@ -350,8 +347,10 @@ class _Tasks:
 
 
 class SimNode(LocalTier):
-    """One node's tier: the tree's own :class:`LocalTier` methods, with its files, copies and scans modelled
-    (not ``__init__``'s directories, thread and server)."""
+    """One node's tier: the tree's own :class:`LocalTier` methods and starting state (``_init_state``), with
+    its files, copies and scans modelled (not ``__init__``'s directories, thread and server): the I/O the
+    real node does through small methods (``_live_entries``, ``_move_aside``, ``_file_state``, ``_place``,
+    ``_fetch``) is done here on the model; the rules around it are the node's own."""
 
     def __init__(self, world: World, rank: int) -> None:
         self.world = world
@@ -370,6 +369,20 @@ class SimNode(LocalTier):
         self.send = lambda msg: world.node_send(rank, msg)
         self.throttle = SimpleNamespace(hold=contextlib.nullcontext)  # type: ignore[assignment]
         self._lock = contextlib.nullcontext()  # type: ignore[assignment]
+        self.run_dir = SimpleNamespace(record=lambda *a, **k: None)  # type: ignore[assignment]
+        if hasattr(LocalTier, "_init_state"):
+            self._init_state()  # the real node's bookkeeping, as it starts
+        else:
+            self._state_before_init_state()
+        self._round_start_ns = 0
+        self._tasks = _Tasks(world, self)  # type: ignore[assignment]
+        #: This node's position in the round whose workers run here, None between rounds.
+        self.position: str | None = None
+        self.restored_tier = ""
+
+    def _state_before_init_state(self) -> None:
+        """An older tree's node (no ``_init_state``, for ``bench/sim_tier_weeks.py``): what its methods and
+        this simulation read."""
         self._held: dict[tuple[str, str], list[channel.FileRef]] = {}
         self._reserved = 0
         self._complete: list[str] = []
@@ -378,16 +391,8 @@ class SimNode(LocalTier):
         self._queried: set[str] = set()
         self._previous: dict[str, scan.Entry] = {}
         self._own_files: dict[str, tuple[str, tuple[scan.FileInfo, ...]]] = {}
-        self._round_start_ns = 0
-        self._unjudged: dict[str, int] = {}
-        self._pinned = ""
-        self._fresh: set[str] = set()
         self._staged: dict[str, list[Any]] = {}
         self._restore: dict[int, list[messages.TierRestore]] = {}
-        self._tasks = _Tasks(world, self)  # type: ignore[assignment]
-        #: This node's position in the round whose workers run here, None between rounds.
-        self.position: str | None = None
-        self.restored_tier = ""
 
     # ---- accounting ----
     def used(self) -> int:
@@ -409,13 +414,15 @@ class SimNode(LocalTier):
         """The real scan's rules over this node's modelled files (which entries settled, are marked, torn)."""
         if position is None or not self.alive:
             return
-        entries = {name: self.world.entry(self, name) for name in self.files.live}
+        entries = self._live_entries()
         if NEW_NODE:
             self._notice_changes(entries)
+        resaved = getattr(self, "_notice_resaves", lambda entries: set())(entries)
         for name in scan.by_step(entries):
             entry = entries[name]
             if (
                 name in self._known
+                or name in resaved
                 or entry.torn
                 or not entry.files
                 or (self.node_rank, name) in self.world.writing
@@ -472,39 +479,41 @@ class SimNode(LocalTier):
             del self._restore[r]
         return self._restore_plan(round, plan) if plan else Restored(None)
 
-    def _tidy_live(self, keep: str, keep_step: int | None = None, *, newer_aside: bool = False) -> None:
-        """Saves proven torn go aside (out of the script's sight); with the restored step given (this tree),
-        so do this node's files of newer saves it never heard complete. Nothing is deleted."""
-        newer_aside = newer_aside or "keep_step" in _TIDY_ARGS
-        for name in [n for n in self.files.live if n != keep]:
-            step = scan.step_of(name)
-            newer = newer_aside and step is not None and (keep_step is None or step > keep_step)
-            if self.world.entry(self, name).torn or (newer and name not in self._complete):
-                self.files.remove(("live", name))
-                self._known.discard(name)
-        self._queried.clear()
-        self._previous = {}
+    def _live_entries(self) -> dict[str, scan.Entry]:
+        return {name: self.world.entry(self, name) for name in self.files.live}
 
-    def _link_held(self, name: str, position: str) -> None:
-        """Link a held part into ``live``: this tree's node checks every file first (older ones linked what
-        ``_held`` named, nothing when it named nothing)."""
-        files = list(self._held.get((name, position), []))
-        if NEW_NODE and not files:
-            raise OSError(f"no copy of {name} part {position} on this node")
-        own = self._own_files.get(name)
-        reported = {f.rel: f for f in own[1]} if NEW_NODE and own is not None and own[0] == position else {}
-        found: list[tuple[SimPath, Copy]] = []
-        for f in files:
-            c = self.files.lookup(f.path.parts)  # type: ignore[attr-defined]
-            if not isinstance(c, Copy):
-                raise FileNotFoundError(f"{f.rel}: no such file")
-            seen = reported.get(f.rel)
-            if NEW_NODE and (c.size != f.size or (seen is not None and c.mtime_ns != seen.mtime_ns)):
-                raise OSError(f"{f.rel} changed since it was reported")
-            found.append((self.live / f.rel, c))
-        for target, c in found:
-            if not target.exists():
-                self.files.live.setdefault(target.parts[1], {})[target.parts[2]] = c
+    def _move_aside(self, name: str) -> Any:
+        """Out of the script's sight: gone from the model (the tier never restores from its aside folder)."""
+        self.files.remove(("live", name))
+        return self.aside / name
+
+    def _file_state(self, path: Any) -> tuple[int, int]:
+        c = self.files.lookup(path.parts)
+        if not isinstance(c, Copy):
+            raise FileNotFoundError(f"{path}: no such file")
+        return c.size, c.mtime_ns
+
+    def _place(self, src: Any, target: Any) -> None:
+        """The file at ``src`` linked at ``target`` (``live/<name>/<position>``), over what was there."""
+        c = self.files.lookup(src.parts)
+        if not isinstance(c, Copy):
+            raise FileNotFoundError(f"{src}: no such file")
+        files = self.files.live.setdefault(target.parts[1], {})
+        if (old := files.get(target.parts[2])) is not None and old is not c:
+            self.world.deleted(self.node_rank, [old])
+        files[target.parts[2]] = c
+
+    if not hasattr(LocalTier, "_place"):  # an older tree's node (bench/sim_tier_weeks.py) links with os.link
+
+        def _link_held(self, name: str, position: str) -> None:
+            """What ``_held`` names linked into ``live`` where nothing is there yet."""
+            for f in list(self._held.get((name, position), [])):
+                c = self.files.lookup(f.path.parts)  # type: ignore[attr-defined]
+                if not isinstance(c, Copy):
+                    raise FileNotFoundError(f"{f.rel}: no such file")
+                target = self.live / f.rel
+                if not target.exists():
+                    self.files.live.setdefault(name, {})[target.parts[2]] = c
 
     def _fetch(self, name: str, position: str, address: str, port: int) -> int:
         return self.world.fetch(self, name, position, port)
@@ -916,8 +925,11 @@ class World:
         if isinstance(msg, messages.TierHave):
             key = (rank, msg.name, msg.position)
             if msg.kind == "own" and msg.size and self.reporting is node:
-                files = node.files.live.get(msg.name, {})
-                self._said[id(msg)] = (msg, {q: (c.save, c.size) for q, c in files.items()})
+                refs = node._held.get((msg.name, msg.position), [])  # the files the node claims as its part
+                paths = {f.rel.split("/")[-1]: f.path.parts for f in refs}  # type: ignore[attr-defined]
+                files = {q: node.files.lookup(parts) for q, parts in paths.items()}
+                said = {q: (c.save, c.size) for q, c in files.items() if isinstance(c, Copy)}
+                self._said[id(msg)] = (msg, said)
             elif msg.kind == "replica":
                 pass
             elif msg.kind == "dropped":
@@ -1008,7 +1020,6 @@ class World:
             channel.FileRef(f.rel, dst.replicas / pos / f.rel, f.size)  # type: ignore[arg-type]
             for f in files
         ]
-        dst._fresh.add(name)
         dst.send(messages.TierHave(name, pos, "replica"))
         return ""
 

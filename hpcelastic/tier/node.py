@@ -125,6 +125,21 @@ class LocalTier:
             d.mkdir(parents=True, mode=0o700)
         self.throttle = channel.Throttle(settings.rate_bytes_s)
         self._lock = threading.Lock()
+        self._init_state()
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self.server = channel.DataServer(
+            secret,
+            channel.Handlers(
+                self._part_files, self._reserve, self._release, self._new_staging, self._received
+            ),
+            self.throttle,
+        )
+        self._thread = threading.Thread(target=self._work, name="hpcelastic-tier", daemon=True)
+        self._thread.start()
+
+    def _init_state(self) -> None:
+        """The tier's bookkeeping, empty (the simulated weeks' node starts from this same state)."""
         #: (checkpoint, position) -> the files of that part this node holds.
         self._held: dict[tuple[str, str], list[channel.FileRef]] = {}
         self._reserved = 0
@@ -137,6 +152,8 @@ class LocalTier:
         self._previous: dict[str, scan.Entry] = {}
         #: Own entries reported: their position and files as reported (a change is a save in place).
         self._own_files: dict[str, tuple[str, tuple[scan.FileInfo, ...]]] = {}
+        #: Files a restore placed in the local directory, per checkpoint, as placed (not this node's own).
+        self._placed: dict[str, set[scan.FileInfo]] = {}
         #: When the current round's workers started (a save written before it is judged by format only).
         self._round_start_ns = time.time_ns()
         #: Entries said not judged (name -> its files' last change), so each is said once; those set aside
@@ -144,22 +161,12 @@ class LocalTier:
         self._unjudged: dict[str, int] = {}
         self._aside_unjudged: dict[str, Path] = {}
         #: The round's restored checkpoint: never dropped while the round runs (its workers may load it at
-        #: any time; a checkpoint safe since may have been written before the round).
-        self._pinned = ""
+        #: any time; a checkpoint safe since may have been written before the round); while a restore
+        #: places them, every checkpoint of its plan (a fetch that makes room must not drop one half-placed).
+        self._pinned: set[str] = set()
         #: Files this node staged in the shared directory, per checkpoint (removed if the persist fails).
         self._staged: dict[str, list[Path]] = {}
         self._restore: dict[int, list[messages.TierRestore]] = {}
-        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._ids = itertools.count()
-        self.server = channel.DataServer(
-            secret,
-            channel.Handlers(
-                self._part_files, self._reserve, self._release, self._new_staging, self._received
-            ),
-            self.throttle,
-        )
-        self._thread = threading.Thread(target=self._work, name="hpcelastic-tier", daemon=True)
-        self._thread.start()
 
     @property
     def port(self) -> int:
@@ -268,9 +275,12 @@ class LocalTier:
         writing = list(writing)
         stepped_ns = step_clock.last_step_ns(self.clocks)
         self._notice_changes(entries)
+        resaved = self._notice_resaves(entries)
         for name in scan.by_step(entries):
             entry = entries[name]
-            if name in self._known or not scan.settled(self._previous.get(name), entry, writing, self.live):
+            if name in self._known or name in resaved:
+                continue
+            if not scan.settled(self._previous.get(name), entry, writing, self.live):
                 continue
             if entry.last_ns < self._round_start_ns and name not in self._queried:
                 continue  # left from an earlier round: judged against that round's nodes, or never
@@ -297,6 +307,45 @@ class LocalTier:
                 self._safe.discard(name)
             self._known.discard(name)
             self._queried.discard(name)
+            self.send(messages.TierHave(name, position, "dropped"))
+
+    def _notice_resaves(self, entries: dict[str, scan.Entry]) -> set[str]:
+        """Checkpoints a restore placed files of that the script saves again (files that are neither those
+        nor this node's reported part): the placed files are an older version's, read as this node's part
+        (and a stale ``.metadata`` as the new save's end) if they stayed. They leave the local directory
+        (the tier's copies; the script's files stay), the parts they were stop being held (the coordinator
+        hears so first), and the entry is judged as a new save once it settles. The names so seen."""
+        resaved: set[str] = set()
+        for name, placed in list(self._placed.items()):
+            own = self._own_files.get(name)
+            entry = entries.get(name)
+            files = set(entry.files) if entry is not None else set()
+            if not files - placed - set(own[1] if own is not None else ()):
+                continue
+            resaved.add(name)
+            self._known.discard(name)
+            for f in files & placed:
+                with contextlib.suppress(OSError):
+                    (self.live / f.rel).unlink()
+            self._forget_live(name, keep=own[0] if own is not None else None)
+        return resaved
+
+    def _forget_live(self, name: str, keep: str | None = None) -> None:
+        """The parts of ``name`` this node held in the local directory (but part ``keep``) are there no more
+        (moved aside, a link to the persisted copy in their place, or the placed copies of an older
+        version gone): not held, and the coordinator told first."""
+        with self._lock:
+            gone = [
+                k
+                for k, refs in self._held.items()
+                if k[0] == name and k[1] != keep and any(self.live in f.path.parents for f in refs)
+            ]
+            for k in gone:
+                del self._held[k]
+        if any(self._own_files.get(name, ("",))[0] == position for _name, position in gone):
+            del self._own_files[name]
+        self._placed.pop(name, None)
+        for _name, position in gone:
             self.send(messages.TierHave(name, position, "dropped"))
 
     def _report_own(self, entry: scan.Entry, position: str, published_step: int | None, final: bool) -> None:
@@ -454,7 +503,7 @@ class LocalTier:
                 return
             newest_safe = self._complete.index(safe[-1])
             keep = set(self._complete[max(0, len(self._complete) - self.settings.keep) :]) | {safe[-1]}
-            drop = [n for n in self._complete[:newest_safe] if n not in keep and n != self._pinned]
+            drop = [n for n in self._complete[:newest_safe] if n not in keep and n not in self._pinned]
             for n in drop:
                 self._complete.remove(n)
         in_live = {n for n in drop if scan.step_of(n) is not None and (self.checkpoint_dir / n).exists()}
@@ -526,19 +575,24 @@ class LocalTier:
             return self._restore_plan(round, plan)
 
     def _restore_plan(self, round: int, plan: list[messages.TierRestore]) -> Restored:
+        with self._lock:
+            self._pinned = {m.name for m in plan if m.name}
         extras = [m for m in plan if m.extra]
         plan = [m for m in plan if not m.extra]
         restored = self._restore_target(round, plan)
-        if restored.error or not extras:
-            return restored
-        names = list(dict.fromkeys(m.name for m in extras))
-        for name in names:
-            self._restore_extra(name, [s for m in extras if m.name == name for s in m.sources])
+        if not restored.error:
+            for name in dict.fromkeys(m.name for m in extras):
+                self._restore_extra(name, [s for m in extras if m.name == name for s in m.sources])
+        with self._lock:
+            self._pinned = {plan[0].name} if restored.path is not None else set()
         return restored
 
     def _restore_extra(self, name: str, sources: list[tuple[str, str, int, str, int]]) -> None:
         """Another complete checkpoint the job holds, placed beside the round's own when every part can be;
-        one that cannot is said, and the round goes on."""
+        one that cannot is said, and the round goes on. One an earlier round linked from its persisted copy
+        stays so (placing it from memory would take that link away first)."""
+        if (self.live / name).is_symlink():
+            return
         options: dict[str, list[tuple[str, str, int, str, int]]] = {}
         for source in sources:
             options.setdefault(source[0], []).append(source)
@@ -585,9 +639,8 @@ class LocalTier:
                 self._link_persisted(target, Path(head.path))
             except OSError as e:
                 return Restored(None, f"restoring {head.name}: {e}")
+            self._forget_live(head.name)  # what this node had under that name went aside
         self._known.add(head.name)
-        with self._lock:
-            self._pinned = head.name
         self._record_restore(round, head, tier, peers, placed, t0)
         return Restored(target)
 
@@ -597,12 +650,16 @@ class LocalTier:
         """Part ``position`` of ``name`` into place from the first source that has it whole: (where,
         node rank, bytes copied), or None and the last source's error."""
         error = "no source"
+        if (self.live / name).is_symlink():  # an earlier round's link to the persisted copy: parts from
+            (self.live / name).unlink()  # memory go in a directory of the tier's, never the shared one
         for _pos, where, node_rank, address, port in sources:
             try:
                 if where == HERE:
                     self._link_held(name, position)
+                    self._note_placed(name, position)
                     return (HERE, node_rank, 0), ""
                 size = self._fetch(name, position, address, port)
+                self._note_placed(name, position)
                 self.send(messages.TierHave(name, position, "replica"))  # this node holds it now
                 return (PEER, node_rank, size), ""
             except (channel.ChannelError, OSError) as e:
@@ -640,8 +697,7 @@ class LocalTier:
         their writers are gone now) and its files of the newer checkpoints the coordinator could not restore
         whole (``aside``: this node's files of one alone would show each node a different newest
         checkpoint); say once each entry the tier could not judge, which stays. Nothing is deleted."""
-        published = scan.read_published(self.live)
-        for name, entry in scan.scan(self.live, published).items():
+        for name, entry in self._live_entries().items():
             if name == keep:
                 continue
             if entry.torn:
@@ -655,8 +711,8 @@ class LocalTier:
         self._previous = {}
 
     def _set_aside(self, entry: scan.Entry, why: str, unjudged: bool = False) -> None:
-        dest = self.aside / f"{entry.name}@{time.time_ns()}"
-        os.replace(self.live / entry.name, dest)
+        dest = self._move_aside(entry.name)
+        self._forget_live(entry.name)
         self._known.discard(entry.name)
         if unjudged:
             self._aside_unjudged[entry.name] = dest
@@ -664,6 +720,16 @@ class LocalTier:
             attempt=self.attempt, node=self.host, checkpoint=entry.name, why=why, path=str(dest)
         )
         self.run_dir.record(event, host=self.host)
+
+    def _live_entries(self) -> dict[str, scan.Entry]:
+        """The local directory's entries, as the scan sees them."""
+        return scan.scan(self.live, scan.read_published(self.live))
+
+    def _move_aside(self, name: str) -> Path:
+        """``live/<name>`` moved out of the script's sight (not deleted); where it went."""
+        dest = self.aside / f"{name}@{time.time_ns()}"
+        os.replace(self.live / name, dest)
+        return dest
 
     def _say_unjudged(self, entry: scan.Entry, saved_to: str = "") -> None:
         why = entry.why_unjudged or "no evidence that the save finished"
@@ -674,7 +740,9 @@ class LocalTier:
 
     def _link_held(self, name: str, position: str) -> None:
         """A part this node holds (its own, already in place, or a replica), checked whole (every file there
-        at its size; an own file unchanged since it was reported), hard-linked into place."""
+        at its size; an own file unchanged since it was reported), hard-linked into place over whatever is
+        there (an older version of it that an earlier restore placed: left there, it would be restored as
+        this version)."""
         with self._lock:
             files = list(self._held.get((name, position), []))
         if not files:
@@ -682,15 +750,42 @@ class LocalTier:
         own = self._own_files.get(name)
         reported = {f.rel: f for f in own[1]} if own is not None and own[0] == position else {}
         for f in files:
-            st = os.stat(f.path)
+            size, mtime_ns = self._file_state(f.path)
             seen = reported.get(f.rel)
-            if st.st_size != f.size or (seen is not None and st.st_mtime_ns != seen.mtime_ns):
+            if size != f.size or (seen is not None and mtime_ns != seen.mtime_ns):
                 raise OSError(f"{f.rel} changed since it was reported")
         for f in files:
-            target = self.live / f.rel
-            if target != f.path and not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.link(f.path, target)
+            if self.live / f.rel != f.path:
+                self._place(f.path, self.live / f.rel)
+
+    def _file_state(self, path: Path) -> tuple[int, int]:
+        """A file's size and change time."""
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+
+    def _place(self, src: Path, target: Path) -> None:
+        """``target`` made a hard link of ``src``, at once in place of any other file there; nothing when it
+        is one already."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samefile(src, target):
+                return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.hpcelastic-{time.time_ns()}"
+        os.link(src, tmp)
+        os.replace(tmp, target)
+
+    def _note_placed(self, name: str, position: str) -> None:
+        """The files of part ``position`` of ``name`` that a restore put in the local directory, as they are
+        now (this node's own reported part is its own, not placed)."""
+        own = self._own_files.get(name)
+        if own is not None and own[0] == position:
+            return
+        with self._lock:
+            files = list(self._held.get((name, position), []))
+        placed = self._placed.setdefault(name, set())
+        for f in files:
+            size, mtime_ns = self._file_state(self.live / f.rel)
+            placed.add(scan.FileInfo(f.rel, size, mtime_ns))
 
     def _forget_held(self, name: str, position: str) -> None:
         with self._lock:
