@@ -71,6 +71,12 @@ def _between(low: int, high: int) -> Validator:
     return lambda value: None if low <= value <= high else f"must be between {low} and {high}, got {value}"
 
 
+def _share_between(low: float, high: float) -> Validator:
+    return lambda value: (
+        None if low <= value <= high else f"must be between {low:g} and {high:g}, got {value:g}"
+    )
+
+
 def _signal_name(value: Any) -> str | None:
     name = signal_name(value)
     return uncatchable(name) if name else f"{value!r} is not a signal name (try USR2, USR1 or TERM)"
@@ -357,6 +363,31 @@ SCHEMA: dict[str, Key] = {
         nullable=False,
         choices=("all", "own"),
     ),
+    "slow.action": Key(
+        str,
+        "swap",
+        "what a node found slow gets: 'report' (an event), 'exclude' (also excluded at the next requeue) or "
+        "'swap' (also replaced by a checked hot spare at the next checkpoint, when the time it saves exceeds "
+        "the swap's measured cost)",
+        nullable=False,
+        choices=("report", "exclude", "swap"),
+    ),
+    "slow.min_slowdown": Key(
+        float,
+        0.2,
+        "the least share of the job's pace a node must cost before it counts as slow (healthy GPUs differ "
+        "by up to 14 %, a rank's steps by up to 15 %)",
+        check=_share_between(0.05, 0.9),
+        nullable=False,
+    ),
+    "slow.windows": Key(
+        int,
+        5,
+        "consecutive detection windows a node must be named slow in (one of them may be missed) before "
+        "anything is done about it; as many windows without it end its slowdown",
+        check=_between(2, 100),
+        nullable=False,
+    ),
 }
 
 
@@ -377,6 +408,9 @@ FLAG_OF = {
     "signal.lead_time": "--signal",
     "container.image": "--container-image",
     "container.runtime": "--container-runtime",
+    "slow.action": "--slow-action",
+    "slow.min_slowdown": "--slow-min-slowdown",
+    "slow.windows": "--slow-windows",
 }
 FLAG_OF.update({k: "--" + k.rsplit(".", 1)[-1].replace("_", "-") for k in SCHEMA if k not in FLAG_OF})
 

@@ -40,3 +40,13 @@ class SlowVerdict:
     node: str | None = None  # None for JOB_WIDE
     rank: int | None = None
     detail: str = ""  # the evidence in a few words, for people ("rank 3 arrives 180 ms last at 97% of ...")
+    #: The share of the job's pace the named node costs by itself (its lateness over the time between
+    #: collectives); None: not known, the window's whole slowdown is charged to it (under a job-wide load
+    #: that overstates what a swap would gain).
+    own_slowdown: float | None = None
+
+    @property
+    def slowdown(self) -> float:
+        """What this verdict charges its node (or the job): its own share when known, at most the window's."""
+        job = max(0.0, 1.0 - self.window.ratio)
+        return job if self.own_slowdown is None else min(job, max(0.0, self.own_slowdown))
