@@ -11,6 +11,11 @@ Faults, by arguments only: ``--crash-at-step N`` SIGKILLs ``--crash-rank`` when 
 saves), only while ``TORCHELASTIC_RESTART_COUNT`` is ``--crash-restart``; ``--crash-mid-save N`` SIGKILLs rank
 0 (the rank that writes the files every rank's save needs) between the files of the save of step N, on
 restart count 0 only.
+
+The testbed's node deaths (tests/slurm/tier_differential_slurm.py), by environment only: rank 0 stalls until
+its node is killed from outside where the mid-save fault would kill it, in each save of
+``TIER_LIBS_STALL_SAVES`` (steps, comma-separated), or before the steps of ``TIER_LIBS_STALL_STEPS``; once
+each in a job (every attempt), marked by a file ``stalled-N`` in ``TIER_LIBS_STALL_DIR``.
 """
 
 from __future__ import annotations
@@ -93,22 +98,42 @@ def loss(model: Callable[[torch.Tensor], torch.Tensor], step: int) -> torch.Tens
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def stall_mark(kind: str, done: int) -> Path | None:
+    """The marker of a stall due at ``done`` steps (``kind``: ``SAVES`` or ``STEPS``), or None."""
+    if rank() != WRITER_RANK or str(done) not in os.environ.get(f"TIER_LIBS_STALL_{kind}", "").split(","):
+        return None
+    mark = Path(os.environ["TIER_LIBS_STALL_DIR"]) / f"stalled-{done}"
+    return None if mark.exists() else mark
+
+
+def stall(mark: Path, done: int) -> None:
+    """Mark the stall and stand still until the node is killed."""
+    mark.touch()
+    log("stalled", done)
+    time.sleep(3600)
+
+
 def die(step: int) -> None:
-    """SIGKILL this process (rank 0 says so first)."""
+    """SIGKILL this process (rank 0 says so first); a stall due in this save instead stands still."""
+    if (mark := stall_mark("SAVES", step)) is not None:
+        stall(mark, step)
     log("crash", step)
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_crash(args: argparse.Namespace, done: int) -> None:
-    """The between-saves fault: called with the steps done before each step starts."""
+    """The between-saves fault (or a stall): called with the steps done before each step starts."""
+    if (mark := stall_mark("STEPS", done)) is not None:
+        stall(mark, done)
     if done == args.crash_at_step and restart_count() == args.crash_restart and rank() == args.crash_rank:
         die(done)
 
 
 def dies_mid_save(args: argparse.Namespace, done: int) -> bool:
-    """This process is to die inside the save of ``done`` steps."""
-    return done == args.crash_mid_save and restart_count() == 0 and rank() == WRITER_RANK
+    """This process is to die (or stall) inside the save of ``done`` steps."""
+    killed = done == args.crash_mid_save and restart_count() == 0 and rank() == WRITER_RANK
+    return killed or stall_mark("SAVES", done) is not None
 
 
 @contextlib.contextmanager
