@@ -8,8 +8,9 @@ collective ``(pg, seq)`` last is the one the others wait for; :mod:`hpcelastic.s
 A worker started warm (``agent/forkserver.py``) with :data:`VARIABLE` set (the agent sets it when slow-node
 detection is on; a job may set it itself) turns the recorder on (:data:`FR_ENTRIES` entries unless the job
 set a size) and registers one global optimizer step post hook. Every ``every`` steps (a power of two chosen
-so that a dump falls about every :data:`INTERVAL_S` seconds; powers of two nest, so ranks that measured
-the step time slightly differently still dump at common steps, where their last collectives coincide) it
+so that a dump falls about every :data:`INTERVAL_S` seconds, halved while a dump is overdue twice that;
+powers of two nest, so ranks that measured the step time slightly differently still dump at common steps,
+where their last collectives coincide) it
 dumps the recorder without stack traces and writes its last :data:`KEEP` collectives to
 ``<VARIABLE>/arrivals-<RANK>`` (replaced atomically), which the agent reads (:func:`read`).
 
@@ -140,7 +141,11 @@ def install_from_env() -> bool:
         state["steps"] += 1
         steps = state["steps"]
         if steps % state["every"]:
-            return
+            if state["every"] == 1 or time.time_ns() - state["last_ns"] < 2 * INTERVAL_S * 1e9:
+                return
+            state["every"] >>= 1  # the steps slowed down: halve (still a power of two, so still common)
+            if steps % state["every"]:
+                return
         now = time.time_ns()
         try:
             rows = collectives(pickle.loads(_dump_fr_trace(True, False, False)).get("entries", ()))

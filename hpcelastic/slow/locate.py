@@ -6,9 +6,9 @@ Per collective ``(pg, seq)`` each rank's issue time ``a_r`` is first corrected b
 lateness in healthy windows (``baseline_lateness``); a node's lateness at that collective is
 ``max(a_r, r on the node) - max(a_r, r elsewhere)``: positive exactly when the node is last, by how much
 it kept the latest other rank waiting. A node is named when that lateness, at the
-:data:`QUANTILE` (a quarter) of the window's collectives, exceeds :func:`threshold`: a share of the time
+:data:`QUANTILE` (a fifth) of the window's collectives, exceeds :func:`threshold`: a share of the time
 the job lost per collective (``gap x (1 - ratio)``, ``gap`` the window's time between collectives) and at
-least :data:`FLOOR_S`. So it must be last at more than three quarters of the collectives, late enough to
+least :data:`FLOOR_S`. So it must be last at more than four fifths of the collectives, late enough to
 explain a good part of the loss: 15 % per-rank jitter moves the last rank around, a workload stripe (a
 different rank, or one rank every k-th step, last) leaves the quantile at or below zero, and a job-wide
 slowdown names nobody. Within the node a rank is named when it is the node's last at
@@ -41,9 +41,10 @@ from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
 #: Collectives seen on two nodes or more that a window needs before any node is named by them.
 MIN_COLLECTIVES = 12
 #: The quantile of a node's lateness that must exceed the threshold.
-QUANTILE = 0.25
-#: The share of the job's lost time per collective the named node must explain, and the least lateness.
-EXPLAIN = 0.25
+QUANTILE = 0.2
+#: The share of the job's lost time per collective the named node's lateness must reach (not all of it: a
+#: rank slowed on the CPU also slows its part of the collectives), and the least lateness.
+EXPLAIN = 0.1
 FLOOR_S = 0.001
 #: A rank is named within its node when it is the node's last at this share of the collectives.
 RANK_SHARE = 0.8

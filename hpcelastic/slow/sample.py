@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Collectives per rank in one report.
-SEND_KEEP = 16
+#: Collectives per rank in one report (a report per dump: about 5 s of collectives, a 10 s window 2 reports).
+SEND_KEEP = 32
 
 # NVML's clock event (throttle) reasons (nvml.h, ``nvmlClocksEventReason*``/``nvmlClocksThrottleReason*``).
 GPU_IDLE = 0x1
