@@ -1,9 +1,9 @@
 """Issue 27 on the testbed: with the local checkpoint tier an unchanged script sees at least what it sees
 without it when a node dies whole inside a save (the spare takes its place) and, in a later save, the node
 holding rank 0 dies whole (the batch host: a requeue). The harness is tests/slurm/tier_differential_slurm.py.
-One layout of each family runs here, every job at once (two cores: about 5 minutes against 9 one pair after
-another) on an instance of this module's own (``tierdiff``: 10 nodes a pair on 127.0.52.x, SlurmdTimeout
-10 s); bench/tier_differential_slurm.py runs every layout.
+Two layouts run here, both pairs at once (4.5 minutes on two loaded cores; one pair alone takes 2.5 to 3.5)
+on an instance of this module's own (``tierdiff``: 10 nodes a pair on 127.0.52.x, SlurmdTimeout 10 s);
+bench/tier_differential_slurm.py runs every layout.
 """
 
 from __future__ import annotations
