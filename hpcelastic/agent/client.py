@@ -68,6 +68,9 @@ class CoordinatorClient:
         self._closed = threading.Event()
         #: The lease: evidence that the coordinator heard this agent (``liveness.py``).
         self.lease = liveness.Liveness.starting(time.monotonic(), heartbeat_timeout, probe_timeout)
+        #: The latest heartbeat's round trip to the coordinator and back (s; None: none yet): the node's link
+        #: as the slow-node detector sees it (``slow/``).
+        self.rtt_s: float | None = None
         self._probe_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._probe_sock.bind(("", 0))
         self._probe_sock.settimeout(0.5)  # here, not in the thread: the client may close before it runs
@@ -204,6 +207,7 @@ class CoordinatorClient:
                     if isinstance(msg, messages.Heartbeat):
                         if msg.echo is not None:
                             self.lease.stream_heard(msg.echo)
+                            self.rtt_s = time.monotonic() - msg.echo
                     elif msg is not None:
                         self._on_message(msg)
         except (OSError, ConnectionError):
