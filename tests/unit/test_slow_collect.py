@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from hpcelastic.agent.messages import FROM_AGENT, decode, encode
+from hpcelastic.agent import protocol
+from hpcelastic.agent.client import CoordinatorClient
+from hpcelastic.agent.messages import FROM_AGENT, Hello, decode, encode
 from hpcelastic.agent.workers import worker_env
 from hpcelastic.slow import arrivals
 from hpcelastic.slow.collect import NodeCollector, gpu_facts, input_share, read_clock
@@ -162,3 +167,35 @@ def test_a_worker_writes_its_ddp_collectives_after_its_optimizer_steps(tmp_path:
     assert dump is not None and dump.steps == 2  # every step at first; then 64 steps apart (fast steps)
     seqs = [seq for _, seq, _ in dump.entries]
     assert seqs and seqs == sorted(seqs) and all(ns > 0 for _, _, ns in dump.entries)
+
+
+def test_the_agent_client_keeps_its_heartbeats_round_trip() -> None:
+    """What a node reports as its link (``SlowSample.rtt_s``): a coordinator that echoes each heartbeat
+    80 ms late gives a round trip of at least that."""
+    secret = "k" * 64
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn = server.accept()[0]
+        conn.sendall(protocol.encode_plain({"t": "challenge", "nonce": "ab" * 16, "v": 1}))
+        session, _ = protocol.server_accept_hello(secret, "ab" * 16, protocol.recv_payload(conn))
+        conn.sendall(session.encode({"t": "welcome", "round": -1}))
+        beat = session.decode(protocol.recv_payload(conn))
+        time.sleep(0.08)
+        conn.sendall(session.encode({"t": "hb", "echo": beat["sent"]}))
+        time.sleep(2)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    c = CoordinatorClient("127.0.0.1", server.getsockname()[1], secret, on_message=lambda _m: None)
+    try:
+        c.connect(Hello(node_rank=1, host="n1"), timeout=10)
+        assert c.rtt_s is None
+        c.start()
+        deadline = time.monotonic() + 10
+        while c.rtt_s is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.rtt_s is not None and 0.08 <= c.rtt_s < 5
+    finally:
+        c.close()
+        server.close()
