@@ -1,0 +1,170 @@
+"""The slow-node signal for real: 2 local nodes x 2 gloo workers under ``hpcelastic run``'s code path, one
+worker slowed the way the kernel does it (a cgroup v1 CPU quota on its process), its node named compute
+from the collectives the workers recorded; with no worker slowed, no node named.
+
+The chain under test: warm-started workers write their Flight Recorder's collectives
+(``slow/arrivals.py``, installed by the fork server), each node's :class:`NodeCollector` reads its ranks'
+files into a :class:`SlowSample` (through the wire format), and the coordinator's :class:`SlowDetector`
+judges the pace and localizes. The agents are told to collect by ``HPCELASTIC_SLOW_DIR`` in the job's
+environment (the agent sets it itself when detection is on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.agent.launcher import LocalRun, start_agents
+from hpcelastic.agent.messages import FROM_AGENT, SlowSample, decode, encode
+from hpcelastic.slow import arrivals
+from hpcelastic.slow.collect import NodeCollector
+from hpcelastic.slow.detector import SlowDetector
+from hpcelastic.slow.locate import MIN_COLLECTIVES
+from hpcelastic.slow.pace import Judgement, PaceConfig
+from hpcelastic.slow.verdict import SlowKind, SlowVerdict
+from tests.slurm_utils import leaked_processes
+
+SCRIPT = Path(__file__).with_name("slow_train.py")
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+#: The slowed worker's share of one CPU (3 %: on this shared 2-core machine the others get about 20 %).
+QUOTA = 0.03
+#: Shorter windows than the defaults, so that a test fits in two minutes.
+TEST_PACE = PaceConfig(window_s=10.0, consecutive=2, min_baseline=2, warmup_steps=5, settle_s=6.0, lag_s=10.0)
+
+
+@dataclass
+class Watched:
+    """A running job and the coordinator side of detection, fed as the agents would."""
+
+    agents: list[subprocess.Popen[bytes]]
+    run_dir: Path
+    pids: Path
+    collectors: dict[str, NodeCollector]
+    detector: SlowDetector = field(default_factory=lambda: SlowDetector(TEST_PACE))
+    verdicts: list[SlowVerdict] = field(default_factory=list)
+    judged: list[Judgement] = field(default_factory=list)
+    evidence: list[int] = field(default_factory=list)
+
+    def running(self) -> bool:
+        return any(a.poll() is None for a in self.agents)
+
+    def poll(self) -> None:
+        """One second of the agents' reports and the coordinator's tick."""
+        time.sleep(1.0)
+        for node, col in self.collectors.items():
+            msg = col.sample(0)
+            if msg is not None:
+                wire = decode(FROM_AGENT, encode(msg))
+                assert isinstance(wire, SlowSample)
+                self.detector.report(node, wire, time.time())
+        for closed in self.detector.tick(time.time()).windows:
+            self.judged.append(closed.judged.judgement)
+            self.evidence.append(len(self.detector.evidence(closed.judged.window).arrivals))
+            if closed.verdict is not None:
+                self.verdicts.append(closed.verdict)
+
+    def pid(self, rank: int) -> int:
+        path = self.pids / f"rank-{rank}"
+        while not path.exists() and self.running():
+            self.poll()
+        return int(path.read_text())
+
+
+@pytest.fixture
+def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[callable]:
+    jobs: list[Watched] = []
+
+    def start(seconds: float) -> Watched:
+        slow_dir = tmp_path / "slow"
+        monkeypatch.setenv(arrivals.VARIABLE, str(slow_dir))
+        spec = LocalRun(
+            min_nodes=2,
+            max_nodes=2,
+            nproc="2",
+            max_restarts=0,
+            run_dir=tmp_path / "run",
+            agent_args=("--rdzv-timeout", "60", "--grace-period", "5"),
+            program=(str(SCRIPT), "--seconds", str(seconds), "--pid-dir", str(tmp_path / "pids")),
+        )
+        run_dir, agents = start_agents(spec)
+        collectors = {f"node{i}": NodeCollector(slow_dir, {2 * i: None, 2 * i + 1: None}) for i in range(2)}
+        job = Watched(agents, run_dir.path, tmp_path / "pids", collectors)
+        job.detector.round_started(0, time.time(), 4)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        for a in job.agents:
+            if a.poll() is None:
+                a.kill()
+            a.wait()
+        for p in leaked_processes(job.run_dir):
+            p.kill()
+
+
+@pytest.fixture
+def cpu_quota() -> Iterator[callable]:
+    """Put a process in a new cgroup v1 CPU group with a quota; undone at the end."""
+    made: list[tuple[Path, int, Path]] = []
+
+    def limit(pid: int, share: float) -> None:
+        group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pid}"
+        group.mkdir()
+        own = next(
+            line.split(":", 2)[2]
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            if line.split(":")[1].split(",").count("cpu")
+        )
+        made.append((group, pid, CPU_CGROUP / own.lstrip("/")))
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        (group / "cgroup.procs").write_text(str(pid))
+
+    yield limit
+    for group, _pid, home in made:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # it exited
+                (home / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+    job = watched(seconds=90)
+    pid = job.pid(3)
+    while job.detector.pace.baseline <= 0 and job.running():
+        job.poll()
+    assert job.detector.pace.baseline > 0, "no baseline pace before the job ended"
+    cpu_quota(pid, QUOTA)
+    slowed_at = time.time()
+    while not any(v.node for v in job.verdicts) and job.running() and time.time() - slowed_at < 75:
+        job.poll()
+    named = [v for v in job.verdicts if v.node is not None]
+    assert named, (
+        f"no node named within 75 s of the slowdown; windows: {job.judged}, verdicts: {job.verdicts}"
+    )
+    first = named[0]
+    assert (first.kind, first.node) == (SlowKind.COMPUTE, "node1"), job.verdicts
+    assert first.rank in (3, None), first
+    assert first.window.ratio < 0.7, first
+    # the window the slowdown began in may have too few late collectives to name anyone: job-wide, never
+    # the other node
+    assert all(v.node in ("node1", None) for v in job.verdicts), job.verdicts
+
+
+def test_with_no_worker_slowed_no_node_is_named(watched) -> None:  # type: ignore[no-untyped-def]
+    job = watched(seconds=60)
+    while job.running():
+        job.poll()
+    job.poll()  # the last reports
+    assert job.agents[0].wait() == 0
+    assert [v for v in job.verdicts if v.node is not None] == []
+    assert job.judged.count(Judgement.HEALTHY) + job.judged.count(Judgement.SLOW) >= 2, job.judged
+    assert max(job.evidence) >= MIN_COLLECTIVES, job.evidence  # the collectives were there to look at
