@@ -1,5 +1,7 @@
 """Slow nodes (issue 28): the job's pace, which node holds it back and why, and what to do about it.
 
-``verdict``: the facts the detector hands the policy; ``pace``/``locate``: pure detection from what the
-agents report; ``policy``: the pure decision ladder (report, swap for a spare, exclude at a requeue).
+``verdict``: the facts the detector hands the policy; ``arrivals``: in each warm-started worker, when it
+issued its recent collectives (Flight Recorder); ``collect``/``sample``: the agent's report of its ranks;
+``pace``/``locate``: pure detection from what the agents report, aggregated by the coordinator's
+``detector``; ``policy``: the pure decision ladder (report, swap for a spare, exclude at a requeue).
 """
