@@ -94,6 +94,8 @@ class SlowDetector:
         self.round, self.world_size = round_, world_size
         self._arrivals.clear()
         self._node_of.clear()
+        self._input.clear()
+        self._gpus.clear()
         self._heartbeats = False
         self._job_wide_run = 0
 
