@@ -12,7 +12,9 @@ least :data:`FLOOR_S`. So it must be last at more than four fifths of the collec
 explain a good part of the loss: 15 % per-rank jitter moves the last rank around, a workload stripe (a
 different rank, or one rank every k-th step, last) leaves the quantile at or below zero, and a job-wide
 slowdown names nobody. Within the node a rank is named when it is the node's last at
-:data:`RANK_SHARE` of the collectives.
+:data:`RANK_SHARE` of the collectives. What the node costs by itself (``own_slowdown``) is its median
+lateness over the time between collectives: the share of the pace the job would win back without it
+(for a rank slowed on the CPU about half the truth: it also slows its part of each collective).
 
 Kind: ``input`` when the named ranks' sampled stacks sit in data loading (DataLoader ``__next__``/
 ``_next_data``, a dataset's ``__getitem__``) at least :data:`INPUT_SHARE` of the time and clearly more than
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcelastic.slow.sample import GpuFacts
 from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
@@ -177,10 +179,11 @@ def locate(ev: Evidence, window: PaceWindow) -> SlowVerdict:
     pace = f"job at {window.ratio:.0%} of its pace"
     nodes = node_lateness(ev)
     enough = [n for n in nodes if n.collectives >= MIN_COLLECTIVES]
-    limit = threshold(gap_s(ev.arrivals), window.ratio)
+    gap = gap_s(ev.arrivals)
     network = _network(ev)
-    if enough and enough[0].late_q >= limit:
-        return _late_node(ev, window, enough[0], pace, network)
+    if enough and enough[0].late_q >= threshold(gap, window.ratio):
+        own = enough[0].late_median / gap if gap > 0 else None
+        return replace(_late_node(ev, window, enough[0], pace, network), own_slowdown=own)
     if enough and network is not None:
         node, detail = network
         return SlowVerdict(window, SlowKind.NETWORK, node=node, detail=f"{detail}; no rank late; {pace}")

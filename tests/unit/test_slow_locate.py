@@ -44,6 +44,12 @@ def test_a_rank_at_85_percent_is_named_in_half_the_windows_and_never_the_wrong_n
     assert all(node in (None, "n1") for _, node, _ in found), found
 
 
+def test_a_named_node_is_charged_what_it_costs_by_itself() -> None:
+    v = verdict(simulate(speed=slowed({3}, 0.5)))
+    assert v.own_slowdown == pytest.approx(1 - v.window.ratio, abs=0.1)  # it is the whole slowdown
+    assert verdict(simulate(comm=0.06)).own_slowdown is None  # job-wide: nobody to charge
+
+
 def test_a_whole_slow_node_is_named_without_a_rank() -> None:
     found = outcomes(nodes=4, per_node=4, speed=slowed({4, 5, 6, 7}, 0.6))
     assert found[("compute", "n1", None)] >= 19, found
