@@ -14,6 +14,7 @@ not begun).
 from __future__ import annotations
 
 import argparse
+import gc
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,6 @@ def complete(layout: str, where: Path) -> bool:
 
 def main() -> None:
     args = common.parse(options)
-    dist.init_process_group("gloo")
     model = DistributedDataParallel(common.build_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     root: Path = args.ckpt_dir
@@ -85,8 +85,12 @@ def main() -> None:
     while pending:
         pending.pop().result()
     common.finish(args, model.module.state_dict().items())
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    dist.init_process_group("gloo")
     main()
+    # The DDP model, in a reference cycle, holds the group: freed after destroy_process_group, the group's
+    # gloo threads are joined while the GIL is held and one of them may be waiting for it (a hang).
+    gc.collect()
+    dist.destroy_process_group()
