@@ -451,12 +451,13 @@ class Coordinator:
         if self.state.phase is Phase.FINISHED:
             self.finished.set()
 
-    def _round_with_restore(self, node_rank: int, message: messages.Round) -> None:
+    def _round_with_restore(self, node_rank: int, message: messages.Round, hold: bool = True) -> None:
         """A round's message, after its node's restore plan; a job-wide round is held while the tier settles
         (a checkpoint the workers completed just before they stopped is still being answered for), at most
-        :data:`TIER_SETTLE_S` (a replica group's restart restores nothing from the tier)."""
+        :data:`TIER_SETTLE_S` (a replica group's restart restores nothing from the tier); ``hold`` False:
+        its wait is over, settled or not."""
         assert self.tier is not None
-        if not self._held_rounds and not message.num_replica_groups and self.tier.settling():
+        if hold and not self._held_rounds and not message.num_replica_groups and self.tier.settling():
             self._hold_rounds_until = time.monotonic() + TIER_SETTLE_S
         if self._hold_rounds_until is not None:
             self._held_rounds.append((node_rank, message))
@@ -475,7 +476,7 @@ class Coordinator:
             return
         held, self._held_rounds, self._hold_rounds_until = self._held_rounds, [], None
         for node_rank, message in held:
-            self._round_with_restore(node_rank, message)
+            self._round_with_restore(node_rank, message, hold=False)
 
     def _reachable(self, conn: _Conn) -> str:
         """The address other nodes reach ``conn``'s agent at: its connection's, or the job's published one for
