@@ -290,7 +290,19 @@ class LocalTier:
         for name in scan.by_step(self._queried - self._known - set(entries)):
             self._known.add(name)  # asked about a checkpoint this node wrote nothing of
             self.send(messages.TierHave(name, position, "own", scan.step_of(name), 0))
+        self._answer_saved_elsewhere(entries, position)
         self._previous = entries
+
+    def _answer_saved_elsewhere(self, entries: dict[str, scan.Entry], position: str) -> None:
+        """Queries about checkpoints in the local directory that this node has no part of its own of at
+        ``position`` (a restore placed them): another node saved a newer version under the same name
+        (``last.ckpt`` rewritten in place), and this node wrote nothing of it (a file it wrote there would be
+        its own part). It says so, once, or the coordinator waits for its answer for good."""
+        for name in scan.by_step(self._queried & self._known & set(entries)):
+            own = self._own_files.get(name)
+            if own is None or own[0] != position:
+                self._queried.discard(name)
+                self.send(messages.TierHave(name, position, "own", scan.step_of(name), 0))
 
     def _notice_changes(self, entries: dict[str, scan.Entry]) -> None:
         """An own part reported before whose files changed (a save rewritten in place: ``last.ckpt``) or

@@ -214,6 +214,31 @@ def test_a_save_rewritten_in_place_is_dropped_first_then_judged_again(
     ]
 
 
+def test_a_node_with_only_a_copy_answers_for_a_checkpoint_saved_again_by_another(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """The bug (Lightning's ``last.ckpt`` under the tier): a restore placed node 0's ``last.ckpt`` on node 1,
+    then node 0 rewrote it in place. Asked about the new save, node 1 never answered (it took the name for
+    one it had answered for already), so the coordinator waited for it for good. Now it says, once, that it
+    wrote nothing of it."""
+    nodes.append(writer := Node(tmp_path, "n0"))
+    nodes.append(other := Node(tmp_path, "n1", node_rank=1))
+    write(writer.tier.live / "last.ckpt", zip_bytes(b"a" * 1000), time.time_ns())
+    writer.scan_twice()
+    sources = (("0", PEER, 0, "127.0.0.1", writer.tier.port),)
+    other.tier.on_message(messages.TierRestore(1, "last.ckpt", 5, "", sources))
+    assert other.tier.restore(1).path == other.tier.live / "last.ckpt"
+    write(writer.tier.live / "last.ckpt", zip_bytes(b"b" * 2000), time.time_ns())
+    writer.scan_twice()
+    assert writer.kinds()[-2:] == [("dropped", "last.ckpt", "0"), ("own", "last.ckpt", "0")]
+    other.tier.on_message(messages.TierQuery("last.ckpt"))
+    other.tier.on_message(messages.TierQuery("epoch=0-step=10.ckpt"))  # one it has nothing of
+    for _ in range(2):
+        other.tier.scan((), "1")
+    answers = [(m.name, m.position, m.size) for m in other.sent if m.kind == "own"]
+    assert sorted(answers) == [("epoch=0-step=10.ckpt", "1", 0), ("last.ckpt", "1", 0)]  # each once
+
+
 def test_a_part_counted_here_but_not_whole_is_fetched_from_the_next_holder(
     tmp_path: Path, nodes: list[Node]
 ) -> None:
