@@ -195,7 +195,8 @@ class TierBook:
                 c
                 for key, c in self.checkpoints.items()
                 if key == c.name and c is not target and c.name not in aside and c.complete
-                if (c.seq or 0) >= floor and not c.abandoned
+                if (c.seq or 0) >= floor or all(p.owner in p.holders for p in c.stored())
+                if not c.abandoned
                 if c.stored() and all(p.holders & live for p in c.stored())
             ),
             key=_newest,

@@ -398,3 +398,23 @@ def test_every_node_also_gets_the_other_complete_checkpoints_the_job_holds() -> 
         ("epoch=0-step=5.ckpt", True, 5),
     ]
     assert extras[0].sources[0][:3] == ("0", HERE, 1)  # node 1 holds last.ckpt's replica
+
+
+def test_an_older_checkpoint_its_writer_still_holds_is_given_to_every_node() -> None:
+    """The bug (Lightning under the tier): ``epoch=0-step=10.ckpt`` was safe before the round after the crash,
+    so node 1 dropped its replica of the older ``last.ckpt`` and the plan left it out; node 0 keeps its own
+    ``last.ckpt`` (a name without a step), so ranks 0-1 resumed from it and ranks 2-3 from nothing. Now
+    every node gets it, from its writer, as a shared directory would show it."""
+    b = book(nodes=2)
+    start_round(b, 0, {0: 0, 1: 1})
+    for name in ("epoch=0-step=5.ckpt", "last.ckpt", "epoch=0-step=10.ckpt"):
+        complete_checkpoint(b, name, 10 if "10" in name else 5, nodes=(0,))
+        b.have(1, have(name, "1", size=0))
+        b.have(1, have(name, "0", kind="replica"))
+    assert b.checkpoints["epoch=0-step=10.ckpt"].safe
+    b.have(1, have("epoch=0-step=5.ckpt", "0", kind="dropped"))
+    b.have(1, have("last.ckpt", "0", kind="dropped"))
+    b.have(0, have("epoch=0-step=5.ckpt", "0", kind="dropped"))  # Lightning removed it
+    main, *extras = start_round(b, 1, {0: 0, 1: 1})[1]
+    assert main.name == "epoch=0-step=10.ckpt"
+    assert [(m.name, m.sources[0][:3]) for m in extras] == [("last.ckpt", ("0", PEER, 0))]
