@@ -187,7 +187,9 @@ class TierBook:
     def _extras(self, target: Checkpoint, aside: tuple[str, ...]) -> list[Checkpoint]:
         """The other complete checkpoints live nodes hold whole (their current versions), newest first: every
         node gets them too, as every rank would see them in a shared directory. Only those no node drops:
-        the newest safe one and any completed since (older ones go as soon as a newer one is safe)."""
+        the newest safe one and any completed since (older ones go as soon as a newer one is safe), and the
+        older ones whose writers still hold them in their own directories, where their ranks see them
+        (``last.ckpt``: a name without a step is never dropped there)."""
         live = set(self.members)
         floor = max((c.seq or 0 for c in self.checkpoints.values() if c.safe and not c.abandoned), default=0)
         return sorted(
