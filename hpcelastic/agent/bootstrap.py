@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcelastic import handoff
+from hpcelastic import events, handoff
 from hpcelastic.agent import liveness, messages
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
 from hpcelastic.agent.coordinator import Coordinator, PortReservation
@@ -354,7 +354,8 @@ def export_metrics(
 
 def tier_book(spec: AgentSpec, run_dir: RunDir, attempt: int) -> TierBook | None:
     """The coordinator's book of the local checkpoint tier, seeded with the checkpoint published last (what a
-    new attempt restores when no node's memory holds one)."""
+    new attempt restores when no node's memory holds one), then the others earlier attempts persisted that
+    are still in the checkpoint directory (every node sees them too, as without the tier)."""
     settings = spec.local_tier
     if settings is None:
         return None
@@ -364,6 +365,11 @@ def tier_book(spec: AgentSpec, run_dir: RunDir, attempt: int) -> TierBook | None
         path = Path(published["path"])
         step = published.get("step")
         book.seed(path.name, step if isinstance(step, int) else None, str(path))
+    if attempt > 0:
+        persisted = {e["checkpoint"]: e for e in run_dir.events().of(events.TIER_PERSISTED)}
+        for name, e in persisted.items():
+            if name not in book.checkpoints and Path(e["path"]).exists():
+                book.seed(name, e["step"] if isinstance(e["step"], int) else None, str(e["path"]))
     return book
 
 

@@ -115,7 +115,8 @@ class TierBook:
 
     # ---- who is there -----------------------------------------------------------------------
     def seed(self, name: str, step: int | None, path: str) -> None:
-        """The checkpoint the previous attempt persisted and published: restored when memory has none."""
+        """A checkpoint an earlier attempt persisted: the published one first (restored when memory has none),
+        then the others still in the checkpoint directory (placed beside it: :meth:`_extras`)."""
         self.checkpoints[name] = Checkpoint(name, step, -1, frozenset(), seq=0, committed=path)
 
     def join(self, node_rank: int, host: str, address: str, data_port: int) -> None:
@@ -189,7 +190,10 @@ class TierBook:
         node gets them too, as every rank would see them in a shared directory. Only those no node drops:
         the newest safe one and any completed since (older ones go as soon as a newer one is safe), and the
         older ones whose writers still hold them in their own directories, where their ranks see them
-        (``last.ckpt``: a name without a step is never dropped there)."""
+        (``last.ckpt``: a name without a step is never dropped there). At a new attempt, until one of its own
+        is safe, also those earlier attempts persisted (:meth:`seed`: each node links the persisted copy, as
+        the shared directory shows it: Lightning loads ``last.ckpt``, older than the one published, by
+        name)."""
         live = set(self.members)
         floor = max((c.seq or 0 for c in self.checkpoints.values() if c.safe and not c.abandoned), default=0)
         return sorted(
@@ -197,9 +201,9 @@ class TierBook:
                 c
                 for key, c in self.checkpoints.items()
                 if key == c.name and c is not target and c.name not in aside and c.complete
-                if (c.seq or 0) >= floor or all(p.owner in p.holders for p in c.stored())
+                if (c.seq or 0) >= floor or (c.stored() and all(p.owner in p.holders for p in c.stored()))
                 if not c.abandoned
-                if c.stored() and all(p.holders & live for p in c.stored())
+                if (c.stored() and all(p.holders & live for p in c.stored())) or _seeded(c)
             ),
             key=_newest,
             reverse=True,
@@ -499,6 +503,11 @@ class TierBook:
                 Record(events.tier_persist_missed(attempt=self.attempt, checkpoint=name, step=step, why=why))
             )
         return actions
+
+
+def _seeded(c: Checkpoint) -> bool:
+    """A checkpoint an earlier attempt persisted, known from :meth:`TierBook.seed` (no part in any memory)."""
+    return bool(c.committed) and not c.parts
 
 
 def _newest(c: Checkpoint) -> tuple[int, int]:

@@ -593,17 +593,29 @@ class LocalTier:
         plan = [m for m in plan if not m.extra]
         restored = self._restore_target(round, plan)
         if not restored.error:
-            for name in dict.fromkeys(m.name for m in extras):
-                self._restore_extra(name, [s for m in extras if m.name == name for s in m.sources])
+            for name, path in dict.fromkeys((m.name, m.path) for m in extras):
+                self._restore_extra(name, [s for m in extras if m.name == name for s in m.sources], path)
         with self._lock:
             self._pinned = {plan[0].name} if restored.path is not None else set()
         return restored
 
-    def _restore_extra(self, name: str, sources: list[tuple[str, str, int, str, int]]) -> None:
+    def _restore_extra(
+        self, name: str, sources: list[tuple[str, str, int, str, int]], path: str = ""
+    ) -> None:
         """Another complete checkpoint the job holds, placed beside the round's own when every part can be;
         one that cannot is said, and the round goes on. One an earlier round linked from its persisted copy
-        stays so (placing it from memory would take that link away first)."""
+        stays so (placing it from memory would take that link away first); one in no node's memory (an
+        earlier attempt persisted it) is linked from its persisted copy ``path``."""
         if (self.live / name).is_symlink():
+            return
+        if any(source[1] == PERSISTED for source in sources):
+            try:
+                self._link_persisted(self.live / name, Path(path))
+            except OSError as e:
+                self.say(f"local checkpoint tier: {name} not placed beside the restored checkpoint: {e}")
+                return
+            self._forget_live(name)
+            self._known.add(name)
             return
         options: dict[str, list[tuple[str, str, int, str, int]]] = {}
         for source in sources:

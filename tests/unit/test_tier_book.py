@@ -418,3 +418,24 @@ def test_an_older_checkpoint_its_writer_still_holds_is_given_to_every_node() -> 
     main, *extras = start_round(b, 1, {0: 0, 1: 1})[1]
     assert main.name == "epoch=0-step=10.ckpt"
     assert [(m.name, m.sources[0][:3]) for m in extras] == [("last.ckpt", ("0", PEER, 0))]
+
+
+def test_a_new_attempt_places_the_checkpoints_earlier_attempts_persisted_beside_the_published_one() -> None:
+    """The bug (Lightning under the tier, testbed: rank 0's node killed between ``epoch=0-step=15.ckpt`` and
+    the rewrite of ``last.ckpt``, a requeue): the new attempt restored the published checkpoint alone, the
+    script found no ``last.ckpt`` and started from step 0, where without the tier it resumed from step 10.
+    Now every node also links the other persisted ones, until a checkpoint of this attempt is safe."""
+    b = book(nodes=2)
+    b.seed("epoch=0-step=15.ckpt", 15, "/ckpt/epoch=0-step=15.ckpt")
+    b.seed("last.ckpt", 10, "/ckpt/last.ckpt")
+    main, *extras = start_round(b, 0, {0: 0, 1: 1})[1]
+    assert (main.name, main.sources[0][1], main.extra) == ("epoch=0-step=15.ckpt", PERSISTED, False)
+    assert [(m.name, m.path, m.sources[0][1], m.extra) for m in extras] == [
+        ("last.ckpt", "/ckpt/last.ckpt", PERSISTED, True)
+    ]
+    complete_checkpoint(b, "epoch=0-step=20.ckpt", 20)
+    b.have(1, have("epoch=0-step=20.ckpt", "0", kind="replica"))
+    b.have(0, have("epoch=0-step=20.ckpt", "1", kind="replica"))
+    assert b.checkpoints["epoch=0-step=20.ckpt"].safe
+    main, *extras = start_round(b, 1, {0: 0, 1: 1})[1]
+    assert main.name == "epoch=0-step=20.ckpt" and not [m.name for m in extras if m.path]

@@ -19,7 +19,7 @@ from hpcelastic import events as ev
 from hpcelastic.agent import messages
 from hpcelastic.rundir import RunDir
 from hpcelastic.tier import scan, step_clock
-from hpcelastic.tier.book import HERE, PEER
+from hpcelastic.tier.book import HERE, PEER, PERSISTED
 from hpcelastic.tier.node import SHARED_STAGING, UNJUDGED_DIR, LocalTier
 from hpcelastic.tier.settings import TierSettings, check_node
 
@@ -346,3 +346,26 @@ def test_a_peer_cannot_place_files_outside_the_checkpoint_it_names(tmp_path: Pat
     with pytest.raises(channel.ChannelError):
         channel.put("127.0.0.1", node.tier.port, SECRET, "step-5", "1", files, channel.Throttle(10**8))
     assert not any(node.tier.replicas.rglob("x")) and ("replica", "step-5", "1") not in node.kinds()
+
+
+def test_a_checkpoint_an_earlier_attempt_persisted_is_linked_beside_the_restored_one(
+    tmp_path: Path, nodes: list[Node]
+) -> None:
+    """A new attempt's node gets, besides the published checkpoint, the others earlier attempts persisted
+    (``last.ckpt`` of step 10 beside ``epoch=0-step=15.ckpt``): each linked from the checkpoint directory, as
+    a script without the tier would see them there."""
+    nodes.append(node := Node(tmp_path, "n0"))
+    ckpt = tmp_path / "ckpt"
+    for name in ("epoch=0-step=15.ckpt", "last.ckpt"):
+        write(ckpt / name, zip_bytes())
+    persisted = (("*", PERSISTED, -1, "", 0),)
+    node.tier.on_message(
+        messages.TierRestore(0, "epoch=0-step=15.ckpt", 15, str(ckpt / "epoch=0-step=15.ckpt"), persisted)
+    )
+    node.tier.on_message(
+        messages.TierRestore(0, "last.ckpt", 10, str(ckpt / "last.ckpt"), persisted, extra=True)
+    )
+    live = node.tier.live
+    assert node.tier.restore(0).path == live / "epoch=0-step=15.ckpt"
+    assert (live / "last.ckpt").resolve() == ckpt / "last.ckpt"
+    assert (live / "last.ckpt").read_bytes() == zip_bytes()
