@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +48,17 @@ HEAD = (
     "| Restarts without / with | seconds without / with | result |",
     "|---|---|---|---|---|---|---|---|",
 )
+
+
+def commit() -> str:
+    """The commit the numbers are of: this tree's (a copy without git: the ``COMMIT`` file beside it)."""
+    proc = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    if proc.returncode == 0:
+        return proc.stdout.strip()
+    marker = REPO / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else "unknown"
 
 
 def verdict(tb: Testbed, layout: Layout, without: SlurmOutcome, with_tier: SlurmOutcome) -> str:
@@ -98,7 +110,8 @@ def main() -> int:
                 rows.append(row(lay.name, without, with_tier, verdict(tb, lay, without, with_tier)))
                 print(rows[-1], flush=True)
     took = (
-        f" {len(layouts)} layouts, {args.at_once} pairs at once, {time.monotonic() - started:.0f} s in all."
+        f" Code {commit()}; {len(layouts)} layouts, {args.at_once} pairs at once, "
+        f"{time.monotonic() - started:.0f} s in all."
     )
     md = "\n".join([TITLE, "", machine_line() + took, EXPLAIN, "", *HEAD, *rows])
     update_section(SECTION, md)
