@@ -23,8 +23,8 @@ when it is slow now and its recent losses (halved every :data:`FLAP_HALF_LIFE_S`
 :data:`FLAP_COST_FACTOR` swaps and at least half of the job's recent slow time. Nothing is acted on when
 more than half of the job's nodes are slow at once (a cause they share, as with nodes lost together).
 A swap happens only right after a checkpoint completed, when the expected gain (the slowdown times the
-time left, less the swap) exceeds the swap's measured cost, with a spare that was checked and found fast,
-one spare per swap.
+time left: what the job would lose by keeping the node) exceeds the swap's measured cost, with a spare
+that was checked and found fast, one spare per swap.
 
 Defaults (:mod:`hpcelastic.sites`): ``slow.min_slowdown`` 0.2: healthy GPUs of one cluster differ by up
 to 14 % (Meta PRISM) and a rank's steps jitter by up to 15 %; 20 % is above both, and below it a swap
@@ -321,6 +321,9 @@ class Order(Named):
 
 @dataclass(frozen=True)
 class SlowOrder:
+    """One order: what, on which node (None: the job), why, and for a swap the spare that takes its place.
+    ``slowdown``: the share of the job's pace the node costs (for a flapping one, on average lately)."""
+
     order: Order
     node: str | None
     kind: SlowKind | None
@@ -368,7 +371,7 @@ def decide(history: SlowHistory, job: JobView, settings: SlowSettings) -> tuple[
     for node, ev in evidence.items():
         if ev.open and not ev.reported:
             since = now if ev.since is None else ev.since
-            why = f"slow for {_span(now - since)}: the job runs {ev.slowdown:.0%} below its pace"
+            why = f"slow for {_span(now - since)}: it costs the job {ev.slowdown:.0%} of its pace"
             orders.append(SlowOrder(Order.REPORT, node, ev.kind, ev.slowdown, _with(why, ev), rank=ev.rank))
         elif node in flapping and not ev.flap_reported:
             rate = flap_rate(ev, now)
@@ -388,7 +391,7 @@ def decide(history: SlowHistory, job: JobView, settings: SlowSettings) -> tuple[
             orders.append(SlowOrder(Order.EXCLUDE, node, ev.kind, _slowdown(ev, now), why, rank=ev.rank))
     if not (settings.action.allows(SlowAction.SWAP) and job.checkpoint_done):
         return tuple(orders)
-    gains = {n: _slowdown(ev, now) * max(0.0, job.left_s - cost) for n, ev in ready.items()}
+    gains = {n: _slowdown(ev, now) * job.left_s for n, ev in ready.items()}
     spares = [s for s in job.spares if s.checked and s.fast and not _was_slow(history, s.node)]
     for node in sorted((n for n in ready if gains[n] > cost), key=lambda n: -gains[n])[: len(spares)]:
         ev, spare = ready[node], spares.pop(0)

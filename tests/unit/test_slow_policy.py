@@ -116,11 +116,11 @@ def test_ski_rental_swaps_once_the_slowdown_cost_a_swap_at_the_next_checkpoint()
 
 
 def test_no_swap_when_the_time_left_does_not_repay_it() -> None:
-    job = JobView(nodes=NODES, spares=(FIT,), swap_cost_s=60.0, allocation_left_s=150.0, job_left_s=10**6)
+    job = JobView(nodes=NODES, spares=(FIT,), swap_cost_s=60.0, allocation_left_s=110.0, job_left_s=10**6)
     _, out = _run([{"n1": 0.5}] * 30, job=job, checkpoints=range(30))
-    assert _orders(out, Order.SWAP) == []  # 0.5 x (150 - 60) = 45 s < 60 s
+    assert _orders(out, Order.SWAP) == []  # keeping it loses 0.5 x 110 = 55 s, less than the swap's 60 s
     assert _orders(out, Order.EXCLUDE) == [(11, "n1")]
-    job = replace(job, allocation_left_s=None, job_left_s=300.0)  # 0.5 x 240 = 120 s > 60 s
+    job = replace(job, allocation_left_s=None, job_left_s=130.0)  # 0.5 x 130 = 65 s > 60 s
     assert _orders(_run([{"n1": 0.5}] * 30, job=job, checkpoints=range(30))[1], Order.SWAP) == [(11, "n1")]
 
 
