@@ -66,28 +66,11 @@ LAYOUTS = [
 GROUP = "tier-differential"
 
 
-#: Layouts the tier does not yet keep to the rule, each with what was seen (issue 27 stays open for them):
-#: reported as expected failures and not run (a run waits out the pair's time limit).
-KNOWN_FAILING = {
-    **dict.fromkeys(
-        ("dcp-flat", "dcp-nested"),
-        "the script's own end hangs: after rank 0 wrote the digest, ranks 1-3 stayed in the script's last "
-        "lines (dist.destroy_process_group) until the pair's 480 s, without the tier as with it (seen twice)",
-    ),
-    "lightning-last": (
-        "after the second crash the run with the tier did not end within the pair's 480 s (round 2 "
-        "started on both nodes; not yet diagnosed); round 1 resumed every rank from last.ckpt of step 5"
-    ),
-}
-
-
 def cases() -> list[object]:
     out = []
     for layout in LAYOUTS:
         fault = BETWEEN if layout.name == "torch-save-one-file" else MID_SAVE_THEN_BETWEEN
         marks = [pytest.mark.slow, pytest.mark.xdist_group(name=GROUP)]
-        if layout.name in KNOWN_FAILING:
-            marks.append(pytest.mark.xfail(reason=KNOWN_FAILING[layout.name], run=False, strict=True))
         out.append(pytest.param(layout, fault, id=f"{layout.name}-{fault.name}", marks=marks))
     return out
 
