@@ -499,9 +499,10 @@ class SimNode(LocalTier):
         if not isinstance(c, Copy):
             raise FileNotFoundError(f"{src}: no such file")
         files = self.files.live.setdefault(target.parts[1], {})
-        if (old := files.get(target.parts[2])) is not None and old is not c:
-            self.world.deleted(self.node_rank, [old])
+        old = files.get(target.parts[2])
         files[target.parts[2]] = c
+        if old is not None and old.save != c.save:  # another version's copy gone (the same bytes: nothing)
+            self.world.deleted(self.node_rank, [old])
 
     if not hasattr(LocalTier, "_place"):  # an older tree's node (bench/sim_tier_weeks.py) links with os.link
 

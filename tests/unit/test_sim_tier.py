@@ -197,6 +197,24 @@ def test_a_restore_that_makes_room_keeps_the_checkpoint_it_places() -> None:
     assert node._pinned == {x}
 
 
+def test_the_simulation_counts_a_part_linked_over_the_same_bytes_as_no_deletion() -> None:
+    """Seed 3863 (the simulation's own model of ``_place``): a restore linked a held replica over the copy an
+    earlier restore had fetched of the same save, and the model reported that copy deleted; the check then
+    blamed the node for a checkpoint whose other parts were on a node that had just died."""
+    w, (node, _peer) = _world()
+    gone: list[list[Copy]] = []
+    w.deleted = lambda rank, copies: gone.append(copies)  # type: ignore[method-assign]
+    x = "step-000010"
+    fetched = Copy((0, 0, x), "1", 100, True, True, 1, True)
+    node.files.live[x] = {"1": fetched}
+    node.files.replicas["1"] = {x: {"1": dataclasses.replace(fetched, mtime_ns=2)}}
+    node._place(node.replicas / "1" / x / "1", node.live / x / "1")
+    assert gone == [] and node.files.live[x]["1"].mtime_ns == 2
+    node.files.replicas["1"][x]["1"] = dataclasses.replace(fetched, save=(0, 1, x), mtime_ns=3)
+    node._place(node.replicas / "1" / x / "1", node.live / x / "1")
+    assert [[c.mtime_ns for c in copies] for copies in gone] == [[2]]  # another version's copy: deleted
+
+
 @pytest.fixture
 def tiers(tmp_path: Path) -> Iterator[list[Node]]:
     """Real LocalTiers (tests.unit.test_tier_evidence's Node), closed at the end."""
