@@ -11,4 +11,4 @@ bash scripts/testbed.sh up
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Three workers (pytest-xdist): the tests of the default testbed instance run in turn on one of them, each
 # other instance's tests on one worker, other modules wherever a worker is free (tests/conftest.py).
-exec .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=15 -n "${TEST_WORKERS:-3}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -ra --durations=60 -n "${TEST_WORKERS:-3}" --dist loadgroup "$@"

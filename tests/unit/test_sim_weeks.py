@@ -1,4 +1,4 @@
-"""10,000 simulated weeks drive the real decision code; each invariant catches a deliberately broken decision.
+"""2,000 simulated weeks drive the real decision code; each invariant catches a deliberately broken decision.
 
 See hpcelastic/sim. A failing week prints its replay command (``python -m hpcelastic.sim --seed N``).
 """
@@ -15,11 +15,12 @@ from hpcelastic.reasons import SkipReason
 from hpcelastic.sim import model
 from hpcelastic.sim.drive import Hooks, Sim, WeekResult, run_week, run_weeks
 
-#: Their time (about 45 s on 2 cores) is measured outside the tests: `python -m hpcelastic.sim --weeks 10000`.
-WEEKS = 10_000
+#: About 40 s a 1,000 weeks on one core. The 10,000 weeks (seeds 0-9999), beside the old decision code,
+#: are bench/sim_weeks.py's; the tests run the first 2,000 of them.
+WEEKS = 2_000
 
 
-def test_ten_thousand_weeks_keep_every_invariant() -> None:
+def test_two_thousand_weeks_keep_every_invariant() -> None:
     results = run_weeks(0, WEEKS, jobs=max(2, os.cpu_count() or 1))
     violations = [str(v) for r in results for v in r.violations]
     assert len(results) == WEEKS
