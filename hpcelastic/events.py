@@ -59,6 +59,9 @@ class EventName(Named):
     TIER_REFUSED = "tier_refused"
     TIER_UNJUDGED = "tier_unjudged"
     TIER_SET_ASIDE = "tier_set_aside"
+    NODE_SLOW = "node_slow"
+    JOB_SLOW = "job_slow"
+    SLOW_TIME = "slow_time"
 
 
 SUBMITTED = EventName.SUBMITTED
@@ -98,6 +101,9 @@ TIER_RESTORED = EventName.TIER_RESTORED
 TIER_REFUSED = EventName.TIER_REFUSED
 TIER_UNJUDGED = EventName.TIER_UNJUDGED
 TIER_SET_ASIDE = EventName.TIER_SET_ASIDE
+NODE_SLOW = EventName.NODE_SLOW
+JOB_SLOW = EventName.JOB_SLOW
+SLOW_TIME = EventName.SLOW_TIME
 
 #: The fields of a worker failure, shared by ``worker_failed`` and ``root_cause``.
 FAILURE_FIELDS = ("round", "rank", "local_rank", "node_rank", "node", "exitcode", "signal", "error")
@@ -633,3 +639,48 @@ def tier_set_aside(*, attempt: int, node: str, checkpoint: str, why: str, path: 
     """A save proven torn (``why``) was moved out of the script's sight on ``node``, to ``path``; it is
     removed once a newer checkpoint is complete and replicated."""
     return _event(TIER_SET_ASIDE, attempt=attempt, node=node, checkpoint=checkpoint, why=why, path=path)
+
+
+# ---- slow nodes (hpcelastic/slow/) ---------------------------------------------------------------
+def node_slow(
+    *,
+    attempt: int,
+    round: int,
+    node: str,
+    rank: int | None,
+    kind: str,
+    slowdown: float,
+    action: str,
+    why: str,
+    spare: str | None = None,
+) -> Event:
+    """A node holds the job back (``kind``: compute, network, input or gpu; ``slowdown``: the share of the
+    job's pace it costs) and what is done about it (``action``: report, exclude, swap with ``spare``)."""
+    return _event(
+        NODE_SLOW,
+        attempt=attempt,
+        round=round,
+        node=node,
+        rank=rank,
+        kind=kind,
+        slowdown=_share(slowdown),
+        action=action,
+        why=why,
+        spare=spare,
+    )
+
+
+def job_slow(*, attempt: int, round: int, slowdown: float, why: str) -> Event:
+    """The job runs ``slowdown`` below its own pace and no node stands out (job-wide)."""
+    return _event(JOB_SLOW, attempt=attempt, round=round, slowdown=_share(slowdown), why=why)
+
+
+def slow_time(*, attempt: int, round: int, lost_s: float, baseline_rate: float | None) -> Event:
+    """The round's time lost to running slow so far (cumulative: the latest of a round holds): time x
+    (1 - rate / baseline rate) over the windows judged slow; ``baseline_rate``: the job's pace, steps/s."""
+    rate = None if baseline_rate is None else _share(baseline_rate)
+    return _event(SLOW_TIME, attempt=attempt, round=round, lost_s=_seconds(lost_s), baseline_rate=rate)
+
+
+def _share(value: float) -> float:
+    return round(float(value), 3)

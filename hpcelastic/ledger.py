@@ -25,7 +25,10 @@ A pure function of the event log (:func:`build_ledger`); ``hpcelastic status`` p
 - The failure time: a worker failure at its ``exit_ts``; a stall at ``exit_ts`` minus the stall
   timeout; a node loss at ``node_lost`` minus the heartbeat silence its reason names; a preemption or
   time limit at the first ``signal_received``.
-- **Badput** = allocated - productive, by cause (the incident kind, or ``startup``) and by phase.
+- **Slow**: of the productive time, what running below the job's own pace cost (``slow_time`` events
+  of the slow-node detector, hpcelastic/slow/: time x (1 - rate / baseline rate) over the windows judged
+  slow, the latest per round) is badput of cause and phase ``slow``.
+- **Badput** = allocated - productive, by cause (the incident kind, ``startup`` or ``slow``) and by phase.
   **Effective training time ratio** (ETTR, as Meta and ByteDance report it) = productive / allocated;
   ``ettr_wall`` also counts pending time in the denominator.
 - Steps come from ``progress`` events (the coordinator writes them from the workers' heartbeats).
@@ -63,6 +66,8 @@ class Phase(Named):
     QUEUED = "queued"
     SHUTDOWN = "shutdown"
     DROPPED = "dropped"
+    #: Training at less than the job's own pace (a slow node, or the whole job slowed): the time it lost.
+    SLOW = "slow"
     #: Training before a failure when nothing tells how much of it the next round redid (neither
     #: productive nor badput: the ledger does not guess).
     UNKNOWN = "unknown"
@@ -901,6 +906,10 @@ class _Builder:
                 continue
             by_cause[s.cause] = by_cause.get(s.cause, 0.0) + s.seconds
             by_phase[str(s.phase)] = by_phase.get(str(s.phase), 0.0) + s.seconds
+        slow = min(productive, slow_time_s(self.log))
+        if slow > 0:
+            productive -= slow
+            by_cause[str(Phase.SLOW)] = by_phase[str(Phase.SLOW)] = slow
         notes = []
         guessed = [a.attempt for a in self.attempts if any(r.first_step_estimated for r in a.rounds)]
         if guessed:
@@ -947,6 +956,14 @@ class _Builder:
             init_estimate_s=self.init_s,
             notes=notes,
         )
+
+
+def slow_time_s(log: EventLog) -> float:
+    """The time lost to running slow: per round, its latest ``slow_time`` (each is the round's total)."""
+    latest: dict[tuple[Any, Any], float] = {}
+    for r in log.of(ev.SLOW_TIME):
+        latest[(r.get("attempt"), r.get("round"))] = float(r.get("lost_s") or 0.0)
+    return sum(latest.values())
 
 
 def build_ledger(log: EventLog, now: float | None = None) -> Ledger:

@@ -119,6 +119,14 @@ def families(
                         restarts))  # fmt: skip
     out.append(_counter("requeues", "Requeues and resubmissions", ident,
                         len(log.of(ev.REQUEUED)) + len(log.of(ev.RESUBMITTED))))  # fmt: skip
+    slow = CounterMetricFamily(f"{PREFIX}_slow_nodes", "Slow nodes found, by what was done (report, exclude, "
+                               "swap)", labels=[*ident.labels, "action"])  # fmt: skip
+    actions: dict[str, int] = {}
+    for r in log.of(ev.NODE_SLOW):
+        actions[str(r.get("action"))] = actions.get(str(r.get("action")), 0) + 1
+    for action, n in sorted(actions.items()):
+        slow.add_metric([*ident.labels.values(), action], n)
+    out.append(slow)
     started = log.last(ev.ATTEMPT_STARTED)
     if started is not None:
         attempt = float(started["attempt"])

@@ -368,9 +368,9 @@ SCHEMA: dict[str, Key] = {
         "swap",
         "what a node found slow gets: 'report' (an event), 'exclude' (also excluded at the next requeue) or "
         "'swap' (also replaced by a checked hot spare at the next checkpoint, when the time it saves exceeds "
-        "the swap's measured cost)",
+        "the swap's measured cost); 'off': no slow-node detection",
         nullable=False,
-        choices=("report", "exclude", "swap"),
+        choices=("off", "report", "exclude", "swap"),
     ),
     "slow.min_slowdown": Key(
         float,

@@ -195,6 +195,18 @@ _RENDER: dict[EventName, Callable[[Mapping[str, Any]], tuple[str, str] | None]] 
         "torn save set aside",
         f"{e.get('checkpoint')} on {e.get('node')}: {e.get('why')}",
     ),
+    events.NODE_SLOW: lambda e: (
+        _SLOW_ACTION.get(str(e.get("action")), "node slow"),
+        f"{e.get('node')}"
+        + (f" (rank {e.get('rank')})" if e.get("rank") is not None else "")
+        + f", {e.get('kind')}: {e.get('why')}",
+    ),
+    events.JOB_SLOW: lambda e: ("job slow (job-wide)", str(e.get("why"))),
+}
+_SLOW_ACTION = {
+    "report": "node slow",
+    "exclude": "slow node excluded at the next requeue",
+    "swap": "slow node replaced by a spare",
 }
 #: Events with no row: each agent the step's stop stopped (one row per node of a large job) is the stop's.
 _QUIET = {
@@ -205,6 +217,7 @@ _QUIET = {
     events.CHECKPOINT_OPENED,
     events.TIER_CHECKPOINT,
     events.TIER_REPLICATED,
+    events.SLOW_TIME,
 }
 _KNOWN = {str(n) for n in EventName}
 

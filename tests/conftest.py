@@ -1,8 +1,10 @@
-"""Shared fixtures: the real Slurm testbed and fresh run directories."""
+"""Shared fixtures: the real Slurm testbed, fresh run directories, a CPU quota on a process (cgroup v1)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -94,3 +96,32 @@ def no_leaked_gres(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     new = leaked_gres_everywhere(known=before, names=names)
     assert not new, f"GRES still allocated on nodes without a job (scontrol -d show node GresUsed): {new}"
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.fixture
+def cpu_quota() -> Iterator[callable]:
+    """Put a process in a new cgroup v1 CPU group with a quota; undone at the end."""
+    made: list[tuple[Path, int, Path]] = []
+
+    def limit(pid: int, share: float) -> None:
+        group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pid}"
+        group.mkdir()
+        own = next(
+            line.split(":", 2)[2]
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            if line.split(":")[1].split(",").count("cpu")
+        )
+        made.append((group, pid, CPU_CGROUP / own.lstrip("/")))
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        (group / "cgroup.procs").write_text(str(pid))
+
+    yield limit
+    for group, _pid, home in made:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # it exited
+                (home / "cgroup.procs").write_text(pid)
+        group.rmdir()

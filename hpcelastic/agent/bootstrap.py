@@ -37,6 +37,7 @@ from hpcelastic.lifecycle.attempt_end import Deferred, defer, end_attempt
 from hpcelastic.lifecycle.cancel import refuse_cancelled_start
 from hpcelastic.reasons import Reason
 from hpcelastic.rundir import RunDir
+from hpcelastic.slow.watch import SlowWatch
 from hpcelastic.tier.book import TierBook
 from hpcelastic.tier.node import LocalTier, published_size
 from hpcelastic.tier.settings import NodeTier, check_node, key
@@ -122,6 +123,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         node_rank=ctx.node_rank,
         console=spec.console,
         local_tier=tier is not None,
+        slow_dir=slow_dir(spec, hb_path),
     )
     watchdog = Watchdog()
     stack.callback(watchdog.close)
@@ -151,6 +153,21 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     )
     install_signals(rt, wake, stack)
     return rt
+
+
+def detects_slow(spec: AgentSpec) -> bool:
+    """Slow-node detection runs (``--slow``), but not with torchft replica groups (a slow group is one a
+    quorum leaves behind: torchft's own business)."""
+    return spec.slow is not None and spec.replica_groups < 2
+
+
+def slow_dir(spec: AgentSpec, hb_path: str) -> Path | None:
+    """The node-local directory of slow-node detection's files, beside the heartbeat socket (None: off)."""
+    if not detects_slow(spec):
+        return None
+    path = Path(hb_path).parent / "slow"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def check_tier(spec: AgentSpec, ctx: NodeContext) -> NodeTier | None:
@@ -316,6 +333,7 @@ def host_coordinator(
         heartbeat_timeout=timing.heartbeat_timeout,
         probe_timeout=timing.probe_timeout,
         tier=tier_book(spec, rdzv.run_dir, attempt),
+        slow=SlowWatch(spec.slow, ctx.hosts[0]) if detects_slow(spec) else None,
     )
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,10 @@ from hpcelastic.agent import liveness, messages, protocol
 
 RETRY_DELAY = 0.1
 CHALLENGE_TIMEOUT = 5.0
+#: ``struct tcp_info`` (linux/tcp.h): 8 bytes of flags, then 32-bit fields; ``tcpi_rtt`` (microseconds)
+#: is the 16th of them. Python has no parser for it: the offset is the kernel's stable ABI since 2.6.
+TCPI_RTT_OFFSET = 8 + 15 * 4
+TCP_INFO_SIZE = 104
 
 
 class _NoChallenge(Exception):
@@ -68,8 +73,7 @@ class CoordinatorClient:
         self._closed = threading.Event()
         #: The lease: evidence that the coordinator heard this agent (``liveness.py``).
         self.lease = liveness.Liveness.starting(time.monotonic(), heartbeat_timeout, probe_timeout)
-        #: The latest heartbeat's round trip to the coordinator and back (s; None: none yet): the node's link
-        #: as the slow-node detector sees it (``slow/``).
+        #: The latest heartbeat's round trip to the coordinator and back (s; None: none yet).
         self.rtt_s: float | None = None
         self._probe_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._probe_sock.bind(("", 0))
@@ -161,6 +165,21 @@ class CoordinatorClient:
         threading.Thread(target=self._heartbeat, name="hpcelastic-client-heartbeat", daemon=True).start()
         if self._probe_addr is not None:
             threading.Thread(target=self._prober, name="hpcelastic-client-probes", daemon=True).start()
+
+    def link_rtt_s(self) -> float | None:
+        """The kernel's smoothed round trip of the connection to the coordinator (TCP_INFO ``tcpi_rtt``): the
+        node's link as the slow-node detector sees it (``slow/``). Unlike a heartbeat's round trip it does not
+        grow when this agent waits for a CPU (the kernel acknowledges segments itself). None: not known."""
+        sock = self._sock
+        if sock is None:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE)
+        except OSError:
+            return None
+        if len(info) < TCPI_RTT_OFFSET + 4:
+            return None
+        return int.from_bytes(info[TCPI_RTT_OFFSET : TCPI_RTT_OFFSET + 4], sys.byteorder) / 1e6
 
     def send(self, msg: messages.Message, *, wait: bool = True) -> bool:
         """Send one message; False when the connection is gone (the loss is reported separately) or, without

@@ -42,6 +42,7 @@ from hpcelastic.agent.job_state import Action, JobState, Phase, Record, SaveStac
 from hpcelastic.events import EventName
 from hpcelastic.hangs.store import write_stacks
 from hpcelastic.rundir import RunDir
+from hpcelastic.slow.watch import SlowWatch, WatchOut
 from hpcelastic.tier.book import TierBook
 
 HANDSHAKE_TIMEOUT = 10.0
@@ -51,6 +52,8 @@ LIVENESS_CHECK_S = 0.1
 #: The longest a round waits for the local tier's answers about a checkpoint completed just before the
 #: workers stopped (:meth:`TierBook.settling`).
 TIER_SETTLE_S = 3.0
+#: How often the slow-node watch closes its windows and decides (hpcelastic/slow/watch.py).
+SLOW_TICK_S = 1.0
 #: Connections not yet authenticated, at most (or the job's node count, if larger: a burst of every agent at
 #: once must not overflow the kernel's backlog, whose drops cost an agent a SYN retransmission, 1 s); while
 #: that many are open the listener rests and more wait in the backlog (one closed would cost a retry).
@@ -149,8 +152,11 @@ class Coordinator:
         heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
         probe_timeout: float = liveness.PROBE_TIMEOUT,
         tier: TierBook | None = None,
+        slow: SlowWatch | None = None,
     ) -> None:
         self.state = state
+        #: The slow-node watch (hpcelastic/slow/), None when detection is off.
+        self.slow = slow
         #: The local checkpoint tier's book (hpcelastic/tier/book.py), None when the job has no tier.
         self.tier = tier
         #: Round messages held while the tier settles (node rank, message), and until when at most.
@@ -199,6 +205,8 @@ class Coordinator:
             messages.Heartbeat: self._on_heartbeat,
             messages.TierHave: self._on_tier_have,
             messages.TierFlush: self._on_tier_flush,
+            messages.SlowSample: self._on_slow_sample,
+            messages.SpeedCheck: self._on_speed_check,
         }
 
     @property
@@ -233,7 +241,7 @@ class Coordinator:
 
     # ---- loop -------------------------------------------------------------------------------
     def _run(self) -> None:
-        next_check = time.monotonic()
+        next_check = next_slow = time.monotonic()
         try:
             while not self._stop.is_set():
                 wait = min(TICK, max(0.0, next_check - time.monotonic()))
@@ -255,6 +263,9 @@ class Coordinator:
                     self._drop_silent(now)
                 self._apply(self.state.tick())
                 self._release_rounds(now)
+                if self.slow is not None and now >= next_slow:
+                    next_slow = now + SLOW_TICK_S
+                    self._slow_tick()
         except Exception:
             # A bug: say so once; the agents see their connections close and end as coordinator_lost.
             print("hpcelastic: internal error in the coordinator (please report it):", file=sys.stderr)
@@ -403,6 +414,8 @@ class Coordinator:
 
     def _on_progress(self, msg: messages.Progress, conn: _Conn) -> None:
         self._apply(self.state.progress(_rank(conn), msg.round, msg.step, msg.ts, msg.ranks))
+        if self.slow is not None and msg.round == self.slow.round:
+            self.slow.progress(self._host(conn), msg.step, msg.ts)
 
     def _on_step_report(self, msg: messages.StepReport, conn: _Conn) -> None:
         self._apply(self.state.step_report(_rank(conn), msg.round, msg.step, msg.rate))
@@ -423,6 +436,42 @@ class Coordinator:
     def _on_tier_flush(self, msg: messages.TierFlush, conn: _Conn) -> None:
         if self.tier is not None:
             self._apply(self.tier.flush(_rank(conn)))
+
+    def _on_slow_sample(self, msg: messages.SlowSample, conn: _Conn) -> None:
+        if self.slow is not None:
+            self.slow.report(self._host(conn), msg, time.time())
+
+    def _on_speed_check(self, msg: messages.SpeedCheck, conn: _Conn) -> None:
+        if self.slow is not None:
+            self.slow.speed_check(self._host(conn), msg.speed)
+
+    def _host(self, conn: _Conn) -> str:
+        member = self.state.members.get(_rank(conn))
+        return member.host if member is not None else f"node-rank-{_rank(conn)}"
+
+    def _slow_tick(self) -> None:
+        """Feed the slow-node watch the round it runs in, close its windows, carry out its orders."""
+        assert self.slow is not None
+        state, now = self.state, time.time()
+        if state.phase is Phase.RUNNING and state.round != self.slow.round and state.round_nodes:
+            members = state.members
+            nodes = tuple(members[n].host for n in state.round_nodes if n in members)
+            spares = tuple(members[n].host for n in sorted(members) if n not in state.round_nodes)
+            world = sum(members[n].nproc for n in state.round_nodes if n in members)
+            self._slow_out(self.slow.round_started(state.attempt, state.round, now, world, nodes, spares))
+        self._slow_out(self.slow.tick(now))
+
+    def _slow_out(self, out: WatchOut) -> None:
+        for event in out.events:
+            self.events.record(event)
+        for host in out.exclude:
+            self.state.slow_node(host)
+        for host, reason in out.retire:
+            rank = next((n for n, m in self.state.members.items() if m.host == host), None)
+            conn = self._by_rank.get(rank) if rank is not None else None
+            if conn is not None:
+                write_line(f"hpcelastic: {host} is slow; it leaves the job ({reason})")
+                self._send(conn, messages.Retire(self.slow.round if self.slow else -1, reason))
 
     def _on_leave(self, msg: messages.Leave, conn: _Conn) -> None:
         rank = _rank(conn)
@@ -449,6 +498,9 @@ class Coordinator:
                 case SaveStacks():
                     threading.Thread(target=self._save_stacks, args=(a,), name="hpcelastic-stacks").start()
         if self.state.phase is Phase.FINISHED:
+            if self.slow is not None:  # the last round's time lost to running slow, before anyone reads
+                for event in self.slow.flush(time.time()):
+                    self.events.record(event)
             self.finished.set()
 
     def _round_with_restore(self, node_rank: int, message: messages.Round, hold: bool = True) -> None:

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcelastic.slow.collect import gpu_facts
+from hpcelastic.slow.sample import GpuFacts
+
 # Xid codes that mean the GPU (or its memory/link) cannot be trusted until the node is serviced:
 # 48 double-bit ECC, 63/64 row remapping, 74 NVLink, 79 fallen off the bus, 92 high SBE rate,
 # 94/95 contained/uncontained ECC, 119/120 GSP errors, 140 unrecovered ECC.
@@ -54,6 +57,14 @@ class GpuHealth:
         except pynvml.NVMLError:
             return None
         return cls(pynvml, gpu_ids)
+
+    def facts(self) -> dict[int, GpuFacts]:
+        """Each local rank's GPU facts for slow-node detection (clocks, throttle reasons, power, PCIe)."""
+        out = {}
+        for local_rank, gid in enumerate(self.gpu_ids):
+            with contextlib.suppress(self._nvml.NVMLError):
+                out[local_rank] = gpu_facts(self._nvml, self._handle(gid))
+        return out
 
     def check(self) -> list[HealthProblem]:
         """Everything wrong with the GPUs now (empty list: healthy)."""

@@ -206,6 +206,8 @@ class JobState:
         self.failures: list[dict[str, Any]] = []
         self.lost_in_round: list[LostNode] = []
         self.bad_nodes: list[str] = []
+        #: Nodes found slow enough to exclude at the next requeue (hpcelastic/slow/), first evidence first.
+        self.slow_nodes: list[str] = []
         #: (host, time) of agents that vanished (connection closed or silent): suspects, see :meth:`suspects`.
         self.vanished: list[tuple[str, float]] = []
         #: Hosts whose agents went silent (their connection never closed): maybe only a cut link.
@@ -744,6 +746,11 @@ class JobState:
         self.departed.add(node_rank)
         return actions
 
+    def slow_node(self, host: str) -> None:
+        """``host`` was found slow: it is one of the attempt's bad nodes (excluded at the next requeue)."""
+        if host not in self.slow_nodes:
+            self.slow_nodes.append(host)
+
     def suspects(self) -> list[str]:
         """The vanished nodes held against themselves: all but those lost together with most others
         (:data:`SUSPECT_SELF_SHARE` within :data:`SUSPECT_SELF_WINDOW_S`): this node's link explains those."""
@@ -943,7 +950,7 @@ class JobState:
         self.phase = Phase.FINISHED
         # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
         # failed a health check, unless most others vanished with it (see ``suspects``).
-        bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.suspects()]))
+        bad_nodes = tuple(dict.fromkeys([*self.bad_nodes, *self.suspects(), *self.slow_nodes]))
         unreachable = tuple(h for h in bad_nodes if h in self.silent_hosts and h not in self.bad_nodes)
         self.result = messages.Finish(reason, message, bad_nodes, unreachable)
         return [*last, *(Send(n, self.result) for n in sorted(self.members))]

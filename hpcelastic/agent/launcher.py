@@ -70,6 +70,8 @@ class LocalRun:
     metrics_port: int | None = None
     #: The checkpoint tier's settings (``TierSettings.to_text``), or None.
     local_tier: str | None = None
+    #: Slow-node detection's settings (``SlowSettings.to_text``), or None (the default's).
+    slow: str | None = None
 
     @property
     def agents(self) -> int:
@@ -99,6 +101,7 @@ def agent_command(spec: LocalRun, run_dir: RunDir, port: int) -> tuple[str, ...]
         console=spec.console,
         metrics_port=spec.metrics_port,
         local_tier=spec.local_tier,
+        slow=spec.slow,
         module=spec.module,
         program=spec.program,
     )

@@ -11,6 +11,7 @@ it). Messages from the coordinator go through :func:`hpcelastic.agent.messages.d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
 import os
@@ -19,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from hpcelastic import events
 from hpcelastic.agent import messages
@@ -33,6 +35,8 @@ from hpcelastic.agent.workers import Worker, parse_heartbeat
 from hpcelastic.env import slurm as slurm_env
 from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
+from hpcelastic.slow import speed
+from hpcelastic.slow.collect import NodeCollector
 from hpcelastic.tier.book import position_of
 from hpcelastic.tier.node import SCAN_INTERVAL_S
 
@@ -43,6 +47,8 @@ STOP_CHECK_INTERVAL = 0.25
 #: A worker is stopped only when no file in the checkpoint dir was open for writing for this long, on any
 #: node of the job (see :func:`quiet_enough`).
 STOP_QUIET_S = 0.5
+#: How often a node sends its slow-node evidence (hpcelastic/slow/): the ranks dump theirs every ~5 s.
+SLOW_SAMPLE_S = 5.0
 
 
 def ignores_stop(step: int | None, stop_step: int | None, step_at_stop: int | None) -> bool:
@@ -73,6 +79,18 @@ class State(enum.Enum):
     RESTARTING = "restarting"
     STOPPING = "stopping"
     DONE = "done"
+
+
+def newest_write(directory: Path) -> float | None:
+    """The newest modification time (wall clock) of ``directory`` and its entries; None: none there."""
+    times = []
+    with contextlib.suppress(OSError):
+        times.append(directory.stat().st_mtime)
+        with os.scandir(directory) as entries:
+            for e in entries:
+                with contextlib.suppress(OSError):
+                    times.append(e.stat(follow_symlinks=False).st_mtime)
+    return max(times) if times else None
 
 
 class NodeLoop:
@@ -114,6 +132,8 @@ class NodeLoop:
         self.flush_then: Callable[[], None] | None = None
         self.flush_deadline: float | None = None
         self.flush_sent_round: int | None = None
+        #: Slow-node detection's evidence of this node's ranks in the current round (None: off, no round).
+        self.slow: NodeCollector | None = None
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -129,6 +149,7 @@ class NodeLoop:
             messages.TierCommit: self._on_tier,
             messages.TierRestore: self._on_tier,
             messages.TierFlushed: self._on_tier_flushed,
+            messages.Retire: self._on_retire,
         }
 
     def run(self) -> int:
@@ -136,6 +157,7 @@ class NodeLoop:
         self._check_health()
         if self.exit_code is None:
             self.rt.client.start()
+            self._check_speed()
             if self.hangs is not None:
                 self.hangs.start()
                 if not self.hangs.available:
@@ -152,10 +174,16 @@ class NodeLoop:
     # ---- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:
         rt, stall_timeout = self.rt, self.rt.spec.stall_timeout
-        next_stall = next_health = next_stop_check = next_scan = time.monotonic()
+        next_stall = next_health = next_stop_check = next_scan = next_slow = time.monotonic()
+        next_speed = next_slow + speed.RECHECK_S
         while self.exit_code is None:
             scanning = rt.tier is not None and self.state in (State.RUNNING, State.STOPPING)
+            sampling = self.slow is not None and self.state == State.RUNNING
+            # A spare (or an agent before its first round) checks its speed now and then.
+            waiting = rt.group.cfg.slow_dir is not None and rt.spec.spare_nodes > 0 and self.round is None
             deadlines = [next_stall] if stall_timeout else []
+            deadlines += [next_slow] if sampling else []
+            deadlines += [next_speed] if waiting else []
             deadlines += [next_health] if rt.health is not None else []
             deadlines += [self.stop_deadline] if self.stop_deadline is not None else []
             deadlines += [next_stop_check] if self.state == State.STOPPING else []
@@ -198,6 +226,12 @@ class NodeLoop:
                 self._scan_tier()
             if self.flush_deadline is not None and now >= self.flush_deadline:
                 self._flush_missed()
+            if sampling and now >= next_slow:
+                next_slow = now + SLOW_SAMPLE_S
+                self._sample_slow()
+            if waiting and now >= next_speed:
+                next_speed = now + speed.RECHECK_S
+                self._check_speed()
 
     def _drain_messages(self) -> None:
         while self.exit_code is None and (msg := self.rt.inbox.take()) is not None:
@@ -220,11 +254,64 @@ class NodeLoop:
             return
         self.state = State.RUNNING
         self._watch_resume(msg)
+        self._clear_slow()
         spawned = group.start(msg, restored.path if restored is not None else None)
+        if group.cfg.slow_dir is not None:
+            self.slow = NodeCollector(
+                group.cfg.slow_dir, {w.rank: group.step_clock(w) for w in group.workers}
+            )
         if self.hangs is not None:
             workers = [(w.rank, w.proc.pid) for w in group.workers]
             self.hangs.watch(msg.round, workers, main_thread_io=msg.num_replica_groups > 0)
         client.send(messages.Started(msg.round, spawned, group.spawn, group.spawn_reason))
+
+    # ---- slow nodes (hpcelastic/slow/) ------------------------------------------------------
+    def _check_speed(self) -> None:
+        """Tell the coordinator how fast this node is now (before its first round; a spare now and then), when
+        the job has spares to check."""
+        if self.rt.group.cfg.slow_dir is not None and self.rt.spec.spare_nodes > 0:
+            self.rt.client.send(messages.SpeedCheck(speed.measure()))
+
+    def _clear_slow(self) -> None:
+        """A new round: the last round's ranks' files go (their collectives are not this round's)."""
+        self.slow = None
+        directory = self.rt.group.cfg.slow_dir
+        if directory is not None:
+            for f in directory.iterdir():
+                with contextlib.suppress(OSError):
+                    f.unlink()
+
+    def _sample_slow(self) -> None:
+        """Send this node's new evidence: its ranks' steps and collectives, and whether it saves."""
+        assert self.slow is not None and self.round is not None
+        group = self.rt.group
+        checked = time.monotonic()
+        group.note_saves()
+        now = time.monotonic()
+        saves = [w.last_save for w in group.running() if w.last_save is not None]
+        saving = any(t >= checked for t in saves)
+        facts = self.rt.health.facts() if self.rt.health is not None else {}
+        gpus = {w.rank: facts[w.local_rank] for w in group.workers if w.local_rank in facts}
+        rtt = self.rt.client.link_rtt_s()
+        sample = self.slow.sample(self.round.round, rtt_s=rtt, gpus=gpus)
+        if sample is None:
+            sample = messages.SlowSample(self.round.round, time.time_ns(), rtt)
+        ages = [now - max(saves)] if saves else []
+        written = newest_write(group.cfg.checkpoint_dir)  # a save too quick to be caught open
+        ages += [max(0.0, time.time() - written)] if written is not None else []
+        age = min(ages) if ages else None
+        self.rt.client.send(dataclasses.replace(sample, saving=saving, save_age_s=age))
+
+    def _on_retire(self, msg: messages.Retire) -> None:
+        """The coordinator replaces this (slow) node with a spare: leave as a bad node does."""
+        rt = self.rt
+        if self.round is None or msg.round != self.round.round or rt.coordinator is not None:
+            return
+        rt.say(f"this node leaves the job: {msg.reason}")
+        rt.group.stop(RESTART_KILL_GRACE)
+        rt.client.send(messages.Leave(msg.reason, unhealthy=True))
+        self.state = State.DONE
+        self.exit_code = Reason.NODE_UNHEALTHY.exit_code
 
     def _restore_failed(self, rnd: messages.Round, error: str) -> None:
         """No copy of the round's checkpoint could be placed: this node's workers fail before they start,

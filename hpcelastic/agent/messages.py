@@ -324,13 +324,17 @@ class SlowSample(Message):
     """This node's evidence for the slow-node detector (hpcelastic/slow/), every few seconds while it is on:
     per rank its steps and its latest collectives (:class:`~hpcelastic.slow.sample.RankSample`);
     ``sent_ns``: the agent's wall clock when sent (the coordinator estimates the node's clock offset from
-    it); ``rtt_s``: the agent's latest heartbeat round trip to the coordinator (None: none yet)."""
+    it); ``rtt_s``: the agent's latest heartbeat round trip to the coordinator (None: none yet);
+    ``saving``: a worker of this node holds a checkpoint file open for writing now; ``save_age_s``: seconds
+    since one last did (None: none seen this round)."""
 
     TAG = "slow"
     round: int
     sent_ns: int
     rtt_s: float | None = None
     ranks: tuple[RankSample, ...] = ()
+    saving: bool = False
+    save_age_s: float | None = None
 
     def wire(self) -> Wire:
         return {
@@ -339,6 +343,8 @@ class SlowSample(Message):
             "sent_ns": self.sent_ns,
             "rtt_s": self.rtt_s,
             "ranks": [r.wire() for r in self.ranks],
+            "saving": self.saving,
+            "save_age_s": self.save_age_s,
         }
 
     @classmethod
@@ -351,7 +357,22 @@ class SlowSample(Message):
             int(d["sent_ns"]),
             _optional_float(d.get("rtt_s")),
             tuple(RankSample.from_wire(r) for r in ranks),
+            bool(d.get("saving", False)),
+            _optional_float(d.get("save_age_s")),
         )
+
+
+@dataclass(frozen=True)
+class SpeedCheck(Message):
+    """This node's speed check (:func:`hpcelastic.slow.speed.measure`, hashes a second): sent before its
+    first round and, while it waits as a spare, now and then."""
+
+    TAG = "speed"
+    speed: float
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> SpeedCheck:
+        return cls(float(d["speed"]))
 
 
 # ---- the local checkpoint tier (hpcelastic/tier/): agent -> coordinator ---------------------------
@@ -517,6 +538,21 @@ class StopAt(Message):
     def from_wire(cls, d: Mapping[str, Any]) -> StopAt:
         step = d.get("step")
         return cls(int(d["round"]), None if step is None else int(step))
+
+
+@dataclass(frozen=True)
+class Retire(Message):
+    """This node leaves the job for ``reason`` (a slow node a spare replaces: hpcelastic/slow/): it stops its
+    workers and leaves as a bad node does, so that the next round runs on a spare in its place and a requeue
+    excludes it."""
+
+    TAG = "retire"
+    round: int
+    reason: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Retire:
+        return cls(int(d["round"]), str(d["reason"]))
 
 
 @dataclass(frozen=True)
@@ -725,6 +761,7 @@ FROM_AGENT = _table(
     TierHave,
     TierFlush,
     SlowSample,
+    SpeedCheck,
 )
 #: What an agent accepts from its coordinator once joined.
 FROM_COORDINATOR = _table(
@@ -734,6 +771,7 @@ FROM_COORDINATOR = _table(
     Preempt,
     StopAt,
     JobSaving,
+    Retire,
     Finish,
     DumpStacks,
     TierQuery,

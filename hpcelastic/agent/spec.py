@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from hpcelastic import sites
 from hpcelastic.errors import UserError
 from hpcelastic.parse import AUTO, check_module_name, parse_nodes, parse_nproc, parse_signal
+from hpcelastic.slow.policy import SlowSettings
 from hpcelastic.tier.settings import TierSettings
 
 DEFAULT_SIGNAL = parse_signal(sites.default("signal.name"))
@@ -72,6 +73,8 @@ class AgentSpec:
     metrics_textfile_dir: Path | None = None
     #: The node-local checkpoint tier (hpcelastic/tier/); None: workers save to the checkpoint dir.
     local_tier: TierSettings | None = None
+    #: Slow-node detection and what it does (hpcelastic/slow/); None: off.
+    slow: SlowSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class AgentCommand:
     metrics_textfile_dir: Path | None = None
     #: The checkpoint tier's settings as one JSON object (``TierSettings.to_text``).
     local_tier: str | None = None
+    #: Slow-node detection's settings, ``ACTION,MIN_SLOWDOWN,WINDOWS`` (``SlowSettings.to_text``).
+    slow: str | None = None
     module: bool = False
     program: tuple[str, ...] = field(default=())
 
@@ -157,7 +162,14 @@ class AgentCommand:
             metrics_port=None if self.no_metrics else (self.metrics_port or 0),
             metrics_textfile_dir=self.metrics_textfile_dir.absolute() if self.metrics_textfile_dir else None,
             local_tier=TierSettings.parse(self.local_tier) if self.local_tier else None,
+            slow=slow_settings(self.slow),
         )
+
+
+def slow_settings(text: str | None) -> SlowSettings | None:
+    """``--slow``'s settings; None when not given or ``off``."""
+    settings = SlowSettings.from_text(text) if text else None
+    return settings if settings is not None and settings.on else None
 
 
 def option_flag(name: str) -> str:

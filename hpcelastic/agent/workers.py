@@ -193,6 +193,15 @@ TIER_LOCAL = "local"
 AGENT_SECRET_VARIABLE = "HPCELASTIC_SECRET"
 
 
+def step_clock_path(cfg: WorkerConfig, rank: int, local_rank: int) -> Path | None:
+    """The file a worker's step clock writes (the tier's, else slow-node detection's; None: neither)."""
+    if cfg.local_tier:
+        return step_clock.clock_path(cfg.checkpoint_dir, local_rank)
+    if cfg.slow_dir is not None:
+        return arrivals.clock_path(cfg.slow_dir, rank)
+    return None
+
+
 def worker_env(
     cfg: WorkerConfig,
     rnd: Round,
@@ -235,13 +244,15 @@ def worker_env(
     )
     if cfg.local_tier:
         env[TIER_VARIABLE] = TIER_LOCAL
-        env[step_clock.VARIABLE] = str(step_clock.clock_path(cfg.checkpoint_dir, local_rank))
     else:
         env.pop(TIER_VARIABLE, None)
+    clock = step_clock_path(cfg, rank, local_rank)
+    if clock is not None:
+        env[step_clock.VARIABLE] = str(clock)
+    else:
         env.pop(step_clock.VARIABLE, None)
-    if cfg.slow_dir is not None:  # the collectives' arrivals and, without the tier's, a step clock
+    if cfg.slow_dir is not None:  # the collectives' arrivals
         env[arrivals.VARIABLE] = str(cfg.slow_dir)
-        env.setdefault(step_clock.VARIABLE, str(arrivals.clock_path(cfg.slow_dir, rank)))
     if cfg.gpus:
         env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[local_rank]
     if share and "OMP_NUM_THREADS" not in cfg.environ:
@@ -542,6 +553,10 @@ class WorkerGroup:
     def writing(self) -> list[str]:
         """Files in the checkpoint dir that any running worker's tree holds open for writing."""
         return [path for w in self.running() for path in self.saving(w)]
+
+    def step_clock(self, worker: Worker) -> Path | None:
+        """The file ``worker``'s step clock writes (None: it has none)."""
+        return step_clock_path(self.cfg, worker.rank, worker.local_rank)
 
     def note_saves(self) -> None:
         """Record which running workers are writing a checkpoint now (a save is activity, never a stall)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from hpcelastic import sites
 from hpcelastic.agent.launcher import LOCAL_GRACE_PERIOD, LOCAL_RDZV_TIMEOUT
 from hpcelastic.agent.spec import (
     DEFAULT_CONSOLE,
@@ -42,6 +43,34 @@ _LOCAL_TIER_HELP = (
     "Node-local checkpoint tier: a JSON object of checkpoint_tier settings, e.g. "
     '\'{"local_checkpoint_dir": "/dev/shm/ckpt-{job}-{node}"}\' (docs/ARCHITECTURE.md).'
 )
+
+
+_SLOW_HELP = (
+    "Slow-node detection: ACTION,MIN_SLOWDOWN,WINDOWS (off, report, exclude or swap), e.g. swap,0.2,5"
+)
+
+
+def _slow_options(f: Any) -> Any:
+    """``hpcelastic run``'s slow-node flags (the site keys ``slow.*``: hpcelastic/sites.py)."""
+    for name in reversed(("action", "min_slowdown", "windows")):
+        k = sites.SCHEMA[f"slow.{name}"]
+        kind = click.Choice(k.choices) if k.choices else k.type
+        f = click.option(
+            sites.FLAG_OF[f"slow.{name}"], f"slow_{name}", type=kind, help=f"{k.doc} [default: {k.default}]."
+        )(f)
+    return f
+
+
+def _slow_text(action: str | None, min_slowdown: float | None, windows: int | None) -> str:
+    """The agent's ``--slow`` from ``run``'s flags (unset: the defaults); a bad value is one line."""
+    from hpcelastic.slow.policy import SlowSettings
+
+    d = SlowSettings()
+    return SlowSettings.parse(
+        action or str(d.action),
+        d.min_slowdown if min_slowdown is None else min_slowdown,
+        d.windows if windows is None else windows,
+    ).to_text()
 
 
 def _default(value: Any) -> str:
@@ -114,6 +143,7 @@ _METRICS_PORT = click.option(
     help="Write hpcelastic_<run id>.prom there (node-exporter's textfile collector).",
 )
 @click.option("--local-tier", help=_LOCAL_TIER_HELP)
+@click.option("--slow", help=_SLOW_HELP)
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def agent(**params: Any) -> None:
@@ -156,6 +186,7 @@ def agent(**params: Any) -> None:
 @_CONSOLE
 @_METRICS_PORT
 @click.option("--local-tier", help=_LOCAL_TIER_HELP)
+@_slow_options
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
 def run(
@@ -173,6 +204,9 @@ def run(
     console: str | None,
     metrics_port: int | None,
     local_tier: str | None,
+    slow_action: str | None,
+    slow_min_slowdown: float | None,
+    slow_windows: int | None,
     module: bool,
     program: tuple[str, ...],
 ) -> None:
@@ -217,5 +251,6 @@ def run(
         console=console,
         metrics_port=metrics_port,
         local_tier=local_tier,
+        slow=_slow_text(slow_action, slow_min_slowdown, slow_windows),
     )
     sys.exit(run_local(spec))

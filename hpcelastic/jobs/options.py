@@ -97,6 +97,17 @@ SUBMIT_OPTIONS: tuple[SubmitOption, ...] = (
     SubmitOption("checkpoint_dir", "[default: RUN_DIR/checkpoints]"),
     _from_schema("local_checkpoint_dir"),
     _from_schema("local_checkpoint_mb"),
+    *(
+        SubmitOption(
+            f"slow_{name}",
+            sites.SCHEMA[f"slow.{name}"].doc + ".",
+            sites.SCHEMA[f"slow.{name}"].type,
+            key=f"slow.{name}",
+            choices=sites.SCHEMA[f"slow.{name}"].choices,
+            shown_default=sites.default(f"slow.{name}"),
+        )
+        for name in ("action", "min_slowdown", "windows")
+    ),
     SubmitOption("run_dir", "[default: ./hpcelastic-runs/NAME-DATE-TIME]"),
     SubmitOption(SIGNAL, _signal_help()),
     SubmitOption("env", "KEY=VALUE for the job (repeatable).", multiple=True),

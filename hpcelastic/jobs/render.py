@@ -153,6 +153,7 @@ def agent_command(spec: JobSpec) -> AgentCommand:
         no_metrics=not spec.metrics_enabled,
         metrics_textfile_dir=Path(spec.metrics_textfile_dir) if spec.metrics_textfile_dir else None,
         local_tier=spec.local_tier,
+        slow=spec.slow,
         module=spec.module,
         program=(spec.script, *spec.script_args),
     )

@@ -30,6 +30,7 @@ from hpcelastic.parse import (
     signal_name,
 )
 from hpcelastic.sites import Resolved, default
+from hpcelastic.slow.policy import SlowSettings
 from hpcelastic.tier.settings import TierSettings
 
 # bash refuses to assign these; the run directory variable is hpcelastic's own.
@@ -91,6 +92,7 @@ class JobSpec:
     #: Submit with ``--requeue=expedite`` (Slurm 25.11+ that offers it: :func:`with_slurm_facts`).
     expedite: bool = False
     local_tier: str | None = None  # the node-local checkpoint tier's settings (hpcelastic.tier), JSON
+    slow: str | None = None  # slow-node detection's settings (hpcelastic.slow.policy.SlowSettings.to_text)
 
     @property
     def nodes_text(self) -> str:
@@ -298,4 +300,5 @@ def build_spec(
         metrics_textfile_dir=v("metrics.textfile_dir"),
         container=container,
         local_tier=tier.to_text() if tier else None,
+        slow=SlowSettings.from_config(v).to_text(),
     )

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hpcelastic import sites
+from hpcelastic.errors import UserError
 from hpcelastic.reasons import Named
 from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
 
@@ -64,8 +65,9 @@ def key(name: str) -> str:
 
 
 class SlowAction(Named):
-    """The ``slow.action`` ladder: each level also does what the ones before it do."""
+    """The ``slow.action`` ladder: each level also does what the ones before it do (``off``: no detection)."""
 
+    OFF = "off"
     REPORT = "report"
     EXCLUDE = "exclude"
     SWAP = "swap"
@@ -97,6 +99,25 @@ class SlowSettings:
     def from_config(cls, get: Callable[[str], Any]) -> SlowSettings:
         """From a resolved configuration's ``get`` (its values were checked when it was resolved)."""
         return cls(SlowAction(get(key("action"))), float(get(key("min_slowdown"))), int(get(key("windows"))))
+
+    @property
+    def on(self) -> bool:
+        """Slow-node detection runs (any action but ``off``)."""
+        return self.action is not SlowAction.OFF
+
+    def to_text(self) -> str:
+        """``ACTION,MIN_SLOWDOWN,WINDOWS``: the agent's ``--slow`` (``swap,0.2,5``)."""
+        return f"{self.action},{self.min_slowdown:g},{self.windows}"
+
+    @classmethod
+    def from_text(cls, text: str) -> SlowSettings:
+        """The settings :meth:`to_text` wrote; a bad one is a one-line :class:`UserError`."""
+        parts = text.split(",")
+        try:
+            action, min_slowdown, windows = parts[0], float(parts[1]), int(parts[2])
+        except (IndexError, ValueError):
+            raise UserError(f"--slow {text!r}: expected ACTION,MIN_SLOWDOWN,WINDOWS (swap,0.2,5)") from None
+        return cls.parse(action, min_slowdown, windows)
 
 
 # ---- lost time ------------------------------------------------------------------------------------------
@@ -356,6 +377,8 @@ def decide(history: SlowHistory, job: JobView, settings: SlowSettings) -> tuple[
     """The orders now (none: nothing to do), by the rules of the module docstring; :func:`apply` records
     them in the history so that none is given twice."""
     jw = history.job_wide
+    if not settings.on:
+        return ()
     if not (jw.open and not jw.reported) and not any(_actionable(ev) for ev in history.nodes.values()):
         return ()
     cost, now = job.cost_s, history.now
@@ -395,7 +418,8 @@ def decide(history: SlowHistory, job: JobView, settings: SlowSettings) -> tuple[
     spares = [s for s in job.spares if s.checked and s.fast and not _was_slow(history, s.node)]
     for node in sorted((n for n in ready if gains[n] > cost), key=lambda n: -gains[n])[: len(spares)]:
         ev, spare = ready[node], spares.pop(0)
-        why = f"expected gain {_span(gains[node])} over the time left, a swap costs {_span(cost)}"
+        gain = "the time left unknown (no limit)" if math.isinf(gains[node]) else f"gain {_span(gains[node])}"
+        why = f"{gain} at {_slowdown(ev, now):.0%} of the pace, a swap costs {_span(cost)}"
         orders.append(
             SlowOrder(Order.SWAP, node, ev.kind, _slowdown(ev, now), why, spare=spare.node, rank=ev.rank)
         )

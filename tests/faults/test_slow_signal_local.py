@@ -11,8 +11,6 @@ environment (the agent sets it itself when detection is on).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -32,7 +30,6 @@ from hpcelastic.slow.verdict import SlowKind, SlowVerdict
 from tests.slurm_utils import leaked_processes
 
 SCRIPT = Path(__file__).with_name("slow_train.py")
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 #: The slowed worker's share of one CPU (3 %: on this shared 2-core machine the others get about 20 %).
 QUOTA = 0.03
 #: Shorter windows than the defaults, so that a test fits in two minutes.
@@ -108,32 +105,6 @@ def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[callabl
             a.wait()
         for p in leaked_processes(job.run_dir):
             p.kill()
-
-
-@pytest.fixture
-def cpu_quota() -> Iterator[callable]:
-    """Put a process in a new cgroup v1 CPU group with a quota; undone at the end."""
-    made: list[tuple[Path, int, Path]] = []
-
-    def limit(pid: int, share: float) -> None:
-        group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pid}"
-        group.mkdir()
-        own = next(
-            line.split(":", 2)[2]
-            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-            if line.split(":")[1].split(",").count("cpu")
-        )
-        made.append((group, pid, CPU_CGROUP / own.lstrip("/")))
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
-        (group / "cgroup.procs").write_text(str(pid))
-
-    yield limit
-    for group, _pid, home in made:
-        for pid in (group / "cgroup.procs").read_text().split():
-            with contextlib.suppress(OSError):  # it exited
-                (home / "cgroup.procs").write_text(pid)
-        group.rmdir()
 
 
 def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_quota) -> None:  # type: ignore[no-untyped-def]

@@ -71,7 +71,7 @@ def test_defaults_come_from_the_site_schema(tmp_path: Path) -> None:
         "argv", "min_nodes", "max_nodes", "spare_nodes", "nproc", "max_restarts", "checkpoint_dir",
         "stall_timeout", "stop_signal", "grace_period", "rdzv", "requeue_mode", "max_requeues", "warm_start",
         "replica_groups", "min_replica_groups", "console", "metrics_port", "metrics_textfile_dir",
-        "local_tier",
+        "local_tier", "slow",
     }  # fmt: skip
 
 

@@ -148,6 +148,7 @@ def test_the_ladder() -> None:
         for a in SlowAction
     }
     assert orders == {
+        SlowAction.OFF: set(),
         SlowAction.REPORT: {Order.REPORT},
         SlowAction.EXCLUDE: {Order.REPORT, Order.EXCLUDE},
         SlowAction.SWAP: {Order.REPORT, Order.EXCLUDE, Order.SWAP},
@@ -252,7 +253,7 @@ def test_settings_defaults_live_in_the_site_schema() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("swop", 0.2, 5), "--slow-action: must be one of report, exclude, swap (did you mean 'swap'?)"),
+        (("swop", 0.2, 5), "--slow-action: must be one of off, report, exclude, swap (did you mean 'swap'?)"),
         (("swap", 0.02, 5), "--slow-min-slowdown: must be between 0.05 and 0.9, got 0.02"),
         (("swap", 0.2, 1), "--slow-windows: must be between 2 and 100, got 1"),
         (("swap", "x", 5), "--slow-min-slowdown: must be a number, not a string"),

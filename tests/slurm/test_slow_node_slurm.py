@@ -1,0 +1,76 @@
+"""A slow node on the Slurm testbed, through ``hpcelastic submit --nodes 2 --spare-nodes 1`` (issue 28), on
+an instance of this module's own (``slownode``: 3 nodes on 127.0.44.x).
+
+The unchanged DDP script (``tests/faults/slow_train.py``: plain torch, its own ``torch.save`` checkpoints,
+two workers a node) runs on the first two nodes; once the job's pace is known, the second node's workers
+are slowed the way the kernel slows a node (a cgroup v1 CPU quota of 3 % on their processes). The
+coordinator names that node (kind compute), and right after a checkpoint the node leaves and the spare takes
+its place: the job completes inside its allocation (Slurm's view: COMPLETED, Restarts 0, all three nodes in
+its NodeList), with the fault-free model, the slow node among the attempt's bad nodes (excluded had it been
+requeued) and the slow time in the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
+from tests.slow_job import QUOTA, SLOW_AFTER_STEP, reference_digest, train_args
+from tests.slurm_utils import events, named, status_json, submit_argv
+from tests.testbed import Testbed, own_instance
+
+NAME = "slownode"
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group(name=NAME)]
+STEPS = 900
+
+
+@pytest.fixture(scope="module")
+def tb() -> Iterator[Testbed]:
+    with own_instance(NAME, {"index": "44", "nodes": "3", "slurmd_timeout": "10"}) as inst:
+        yield inst
+
+
+def _record(tb: Testbed, job: str) -> dict[str, str]:
+    out = tb.slurm("scontrol", "show", "job", "-o", job, check=False)
+    return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
+
+
+def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    argv = submit_argv(run) + ["--time", "15", "--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", "2"]
+    argv += ["--checkpoint-dir", str(ckpt), "--slow-action", "swap", *train_args(tmp_path, ckpt, STEPS)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = str(json.loads(proc.stdout)["job_id"])
+    deadline = time.monotonic() + 900
+    first = ckpt / f"ckpt-{SLOW_AFTER_STEP:06d}.pt"
+    while not first.exists():
+        assert _record(tb, job).get("JobState") not in ENDED_STATES, _record(tb, job)
+        assert time.monotonic() < deadline, f"no {first.name}"
+        time.sleep(1)
+    for rank in (2, 3):  # the second node's workers
+        cpu_quota(int((tmp_path / "pids" / f"rank-{rank}").read_text()), QUOTA)
+    while (rec := _record(tb, job)).get("JobState") not in ENDED_STATES:
+        assert time.monotonic() < deadline, rec
+        time.sleep(2)
+    evs = events(run)
+    rounds = named(evs, "rendezvous")
+    slow_node = rounds[0]["hosts"][1]
+    slow = named(evs, "node_slow")
+    swaps = [e for e in slow if e["action"] == "swap"]
+    assert rec["JobState"] == "COMPLETED", (rec, slow)
+    assert rec["Restarts"] == "0", rec  # replaced inside the allocation: no requeue
+    assert len(tb.slurm("scontrol", "show", "hostnames", rec["NodeList"]).split()) == 3, rec
+    assert swaps and swaps[0]["node"] == slow_node and swaps[0]["kind"] == "compute", slow
+    assert {e["node"] for e in slow} == {slow_node}, slow  # never a healthy node
+    assert rounds[-1]["hosts"] == [rounds[0]["hosts"][0], swaps[0]["spare"]], rounds
+    ended = named(evs, "attempt_ended")
+    assert slow_node in ended[-1]["bad_nodes"], ended  # a requeue would exclude it
+    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS)
+    assert status_json(str(run))["ledger"]["badput_by_cause"].get("slow", 0) > 10
