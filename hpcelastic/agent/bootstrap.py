@@ -161,6 +161,13 @@ def detects_slow(spec: AgentSpec) -> bool:
     return spec.slow is not None and spec.replica_groups < 2
 
 
+def slow_watch(spec: AgentSpec, ctx: NodeContext) -> SlowWatch | None:
+    """The coordinator's slow-node watch (None: detection off); the time left from Slurm's end time."""
+    if spec.slow is None or not detects_slow(spec):
+        return None
+    return SlowWatch(spec.slow, ctx.hosts[0], time_left=lambda now: slurm.time_left(os.environ, now))
+
+
 def slow_dir(spec: AgentSpec, hb_path: str) -> Path | None:
     """The node-local directory of slow-node detection's files, beside the heartbeat socket (None: off)."""
     if not detects_slow(spec):
@@ -333,7 +340,7 @@ def host_coordinator(
         heartbeat_timeout=timing.heartbeat_timeout,
         probe_timeout=timing.probe_timeout,
         tier=tier_book(spec, rdzv.run_dir, attempt),
-        slow=SlowWatch(spec.slow, ctx.hosts[0]) if detects_slow(spec) else None,
+        slow=slow_watch(spec, ctx),
     )
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hpcelastic import events
@@ -47,9 +48,15 @@ class SlowWatch:
     """One attempt's slow-node detection and decisions (see the module docstring)."""
 
     def __init__(
-        self, settings: policy.SlowSettings, coordinator_host: str, config: PaceConfig | None = None
+        self,
+        settings: policy.SlowSettings,
+        coordinator_host: str,
+        config: PaceConfig | None = None,
+        time_left: Callable[[float], float | None] = lambda now: None,
     ):
         self.settings = settings
+        #: Seconds from a time to the allocation's end (Slurm's ``SLURM_JOB_END_TIME``); None: unknown.
+        self.time_left = time_left
         self.coordinator_host = coordinator_host
         self.detector = SlowDetector(config or PaceConfig())
         self.history = policy.SlowHistory()
@@ -154,13 +161,14 @@ class SlowWatch:
         )
 
     def _decide(self, now: float, checkpoint_done: bool) -> tuple[policy.SlowOrder, ...]:
-        orders = policy.decide(self.history, self._job_view(checkpoint_done), self.settings)
+        orders = policy.decide(self.history, self._job_view(checkpoint_done, now), self.settings)
         self.history = policy.apply(self.history, orders)
         return orders
 
-    def _job_view(self, checkpoint_done: bool) -> policy.JobView:
+    def _job_view(self, checkpoint_done: bool, now: float | None = None) -> policy.JobView:
         return policy.JobView(
             nodes=self.nodes,
+            allocation_left_s=None if now is None else self.time_left(now),
             spares=tuple(self._spare(s) for s in self.spares[:1]),  # the next spare is the one promoted
             swap_cost_s=self.swap_cost_s,
             checkpoint_done=checkpoint_done,

@@ -65,6 +65,9 @@ def test_a_spare_takes_a_place_only_checked_and_fast() -> None:
     w.speed_check("s0", 950.0)
     assert w._spare("s0") == policy.Spare("s0", checked=True, fast=True)
     assert [s.node for s in w._job_view(True).spares] == ["s0"]  # only the next spare can be promoted
+    assert w._job_view(True, 50.0).allocation_left_s is None  # no Slurm end time: unknown
+    w.time_left = lambda now: 1000.0 - now
+    assert w._job_view(True, 400.0).allocation_left_s == 600.0
     assert speed.measure(0.05) > 0
 
 
