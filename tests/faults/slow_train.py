@@ -4,7 +4,9 @@ Trains for ``--seconds`` (every rank stops at the same step: rank 0 decides and 
 ``--steps`` with a checkpoint (``torch.save`` of model, optimizer and step, written aside and renamed) in
 ``--ckpt-dir`` every ``--ckpt-every`` steps, resuming from the newest there; ``--out`` gets the final
 parameters' SHA-256 (each step's data depends on the step and rank only: a resumed run ends the same);
-``--step-time`` pads each step with sleep to a steady pace (a slowed rank's compute shows beyond it). It
+``--step-time`` pads each step with sleep to a steady pace (a slowed rank's compute shows beyond it);
+``--stripe-every K`` gives ``--stripe-rank`` ``--stripe-batches`` batches more to compute every K-th step
+(the workload's own imbalance; the model is the same). It
 writes ``<pid-dir>/rank-<RANK>`` with its pid, so that the test can slow one rank's process from outside.
 """
 
@@ -35,6 +37,9 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--step-time", type=float, default=0.0, help="a step takes at least this long (it sleeps)")
+    p.add_argument("--stripe-every", type=int, default=0, help="every K-th step one rank gets more data")
+    p.add_argument("--stripe-rank", type=int, default=0)
+    p.add_argument("--stripe-batches", type=int, default=4, help="the batches more a stripe step gets")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -62,6 +67,10 @@ def main() -> None:
         x = torch.randn(64, w, generator=gen)
         opt.zero_grad()
         ddp(x).pow(2).mean().backward()
+        if args.stripe_every and step % args.stripe_every == 0 and rank == args.stripe_rank:
+            with torch.no_grad():  # a workload stripe: this rank's batch is longer this step
+                for _ in range(args.stripe_batches):
+                    model(torch.randn(64, w, generator=gen))
         opt.step()
         step += 1
         time.sleep(max(0.0, args.step_time - (time.monotonic() - began)))
