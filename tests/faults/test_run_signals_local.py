@@ -51,7 +51,7 @@ def _status_text(run: Path) -> str:
     ).stdout
 
 
-def _wait_training(run: Path, timeout: float = 60) -> None:
+def _wait_training(run: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any('"progress"' in p.read_text() for p in run.glob("events*.jsonl")):

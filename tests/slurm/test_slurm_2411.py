@@ -208,7 +208,14 @@ def test_crash_hang_node_death_stop_and_an_array_resubmitted_then_cancelled(
     assert requeued["by"] == "hpcelastic" and requeued["reason"] == "preempted"
     before = max(e["step"] for e in named(evs, "checkpoint_published") if e["attempt"] == 0)
     resumed = [e["step"] for e in named(evs, "progress") if e["attempt"] == 1]
-    assert resumed and resumed[0] > before  # from the stop step's checkpoint: nothing trained twice
+    # From the stop step's checkpoint: nothing trained twice (on a loaded machine the stop may come after
+    # the last step: the requeued attempt then opens the final checkpoint and has nothing left to train).
+    opened = [e["file"] for e in named(evs, "checkpoint_opened") if e["attempt"] == 1]
+    assert (resumed and resumed[0] > before) or (not resumed and opened == [f"step-{steps:06d}.pt"]), (
+        resumed,
+        opened,
+        before,
+    )
     assert digest(tmp_path, "faults") == reference_digest(steps)
     assert not wait_no_leaks(str(run))
     assert status_json(str(run))["outcome"] == "succeeded"
