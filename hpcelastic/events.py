@@ -533,8 +533,9 @@ class RestoreTier(Named):
     NONE = "none"
 
 
-def _seconds(value: float) -> float:
-    return round(value, 3)
+def _rounded(value: float) -> float:
+    """Seconds, shares and rates as events carry them: three decimals."""
+    return round(float(value), 3)
 
 
 def tier_checkpoint(
@@ -563,7 +564,7 @@ def tier_replicated(
         checkpoint=checkpoint,
         step=step,
         replicas=replicas,
-        duration_s=_seconds(duration_s),
+        duration_s=_rounded(duration_s),
     )
 
 
@@ -579,7 +580,7 @@ def tier_persisted(
         step=step,
         path=path,
         size=size,
-        duration_s=_seconds(duration_s),
+        duration_s=_rounded(duration_s),
         stop=stop,
     )
 
@@ -615,7 +616,7 @@ def tier_restored(
         tier=tier,
         peers=list(peers),
         size=size,
-        duration_s=_seconds(duration_s),
+        duration_s=_rounded(duration_s),
     )
 
 
@@ -663,7 +664,7 @@ def node_slow(
         node=node,
         rank=rank,
         kind=kind,
-        slowdown=_share(slowdown),
+        slowdown=_rounded(slowdown),
         action=action,
         why=why,
         spare=spare,
@@ -672,15 +673,11 @@ def node_slow(
 
 def job_slow(*, attempt: int, round: int, slowdown: float, why: str) -> Event:
     """The job runs ``slowdown`` below its own pace and no node stands out (job-wide)."""
-    return _event(JOB_SLOW, attempt=attempt, round=round, slowdown=_share(slowdown), why=why)
+    return _event(JOB_SLOW, attempt=attempt, round=round, slowdown=_rounded(slowdown), why=why)
 
 
 def slow_time(*, attempt: int, round: int, lost_s: float, baseline_rate: float | None) -> Event:
     """The round's time lost to running slow so far (cumulative: the latest of a round holds): time x
     (1 - rate / baseline rate) over the windows judged slow; ``baseline_rate``: the job's pace, steps/s."""
-    rate = None if baseline_rate is None else _share(baseline_rate)
-    return _event(SLOW_TIME, attempt=attempt, round=round, lost_s=_seconds(lost_s), baseline_rate=rate)
-
-
-def _share(value: float) -> float:
-    return round(float(value), 3)
+    rate = None if baseline_rate is None else _rounded(baseline_rate)
+    return _event(SLOW_TIME, attempt=attempt, round=round, lost_s=_rounded(lost_s), baseline_rate=rate)

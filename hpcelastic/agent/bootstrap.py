@@ -163,7 +163,7 @@ def detects_slow(spec: AgentSpec) -> bool:
 
 def slow_watch(spec: AgentSpec, ctx: NodeContext) -> SlowWatch | None:
     """The coordinator's slow-node watch (None: detection off); the time left from Slurm's end time."""
-    if spec.slow is None or not detects_slow(spec):
+    if not detects_slow(spec) or spec.slow is None:  # (the second test narrows the type)
         return None
     return SlowWatch(spec.slow, ctx.hosts[0], time_left=lambda now: slurm.time_left(os.environ, now))
 

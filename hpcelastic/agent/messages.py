@@ -324,7 +324,8 @@ class SlowSample(Message):
     """This node's evidence for the slow-node detector (hpcelastic/slow/), every few seconds while it is on:
     per rank its steps and its latest collectives (:class:`~hpcelastic.slow.sample.RankSample`);
     ``sent_ns``: the agent's wall clock when sent (the coordinator estimates the node's clock offset from
-    it); ``rtt_s``: the agent's latest heartbeat round trip to the coordinator (None: none yet);
+    it); ``rtt_s``: the kernel's smoothed round trip of the agent's connection to the coordinator
+    (``CoordinatorClient.link_rtt_s``; None: not known);
     ``saving``: a worker of this node holds a checkpoint file open for writing now; ``save_age_s``: seconds
     since one last did (None: none seen this round)."""
 
