@@ -62,21 +62,52 @@ def xdist_group(item: pytest.Item) -> str:
     return "_".join(sorted(names))
 
 
+LONGEST_GROUPS = (
+    DEFAULT_GROUP,
+    "tier-differential",
+    "next",
+    "preempt",
+    "tierdiff",
+    "containers",
+    "fabric",
+    "slownode",
+    "tests/faults/test_slow_swap_local.py",
+    "tests/faults/test_replica_groups_stop.py",
+    "ftreplica",
+    "tests/faults/test_replica_groups_hang.py",
+    "tests/faults/test_checkpoint_tier_local.py",
+    "nodedeath",
+    "ckpttier",
+    "tests/faults/test_slow_signal_local.py",
+    "tests/unit/test_sim_weeks.py",
+    "faults",
+)
+"""The groups that take longest, longest first (their seconds in a CI run, ``--durations``). A parallel run
+starts them first (``--no-loadscope-reorder`` keeps this order): a long group started last would run
+alone at the end while the other workers idle."""
+
+
+def group_rank(item: pytest.Item) -> int:
+    """Where the item's group starts in a parallel run: the longest groups first, the others after."""
+    group = xdist_group(item)
+    return LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for a parallel run (``-n N --dist loadgroup``).
 
     A test marked ``slurm`` without a group of its own (an own-instance module names its instance with
     ``pytest.mark.xdist_group``) runs on the default instance: all those share one group, run in turn by one
-    worker. Any other module is a group of its own, so its module fixtures run once. The default group goes
-    first: it is the longest, and a worker starts it at once.
+    worker. Any other module is a group of its own, so its module fixtures run once. The longest groups
+    go first (``LONGEST_GROUPS``).
     """
     for item in items:
         if xdist_group(item):
             continue
         name = DEFAULT_GROUP if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(name=name))
-    items.sort(key=lambda item: xdist_group(item) != DEFAULT_GROUP)
+    items.sort(key=group_rank)
 
 
 @pytest.fixture(autouse=True)
