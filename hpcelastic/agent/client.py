@@ -82,8 +82,10 @@ class CoordinatorClient:
         self._probe_key = b""
         self._probe_counter = 0
         self._probe_seen = 0
-        #: Send times of this agent's probes not yet answered, by counter.
+        #: Send times of this agent's probes not yet answered, by counter; the heartbeat thread adds, the
+        #: probe thread takes away: both under ``_probes_lock``.
         self._probes_sent: dict[int, float] = {}
+        self._probes_lock = threading.Lock()
         self._node_rank = -1
         self._peer_key = liveness.peer_key(secret)
 
@@ -300,11 +302,22 @@ class CoordinatorClient:
     def _send_probe(self, now: float) -> None:
         if self._probe_addr is None:
             return
-        self._probe_counter += 1
-        self._probes_sent[self._probe_counter] = now
-        probe = liveness.Probe(liveness.FROM_AGENT, liveness.QUERY, self._node_rank, self._probe_counter)
+        with self._probes_lock:
+            self._probe_counter += 1
+            counter = self._probe_counter
+            self._probes_sent[counter] = now
+        probe = liveness.Probe(liveness.FROM_AGENT, liveness.QUERY, self._node_rank, counter)
         with contextlib.suppress(OSError):
             self._probe_sock.sendto(liveness.encode(probe, self._probe_key), self._probe_addr)
+
+    def _probe_answered(self, counter: int, member: bool) -> float | None:
+        """When this agent sent its probe ``counter``, now answered (None: not sent, or answered before);
+        an answer as a member also settles every older probe."""
+        with self._probes_lock:
+            sent = self._probes_sent.pop(counter, None)
+            if sent is not None and member:
+                self._probes_sent = {c: t for c, t in self._probes_sent.items() if c > counter}
+            return sent
 
     def _prober(self) -> None:
         """Answer the coordinator's probes; take its answers to ours as renewals of the lease."""
@@ -323,10 +336,10 @@ class CoordinatorClient:
             if probe.sender != liveness.FROM_COORDINATOR or probe.node_rank != self._node_rank:
                 continue
             if probe.kind == liveness.ANSWER:
-                sent = self._probes_sent.pop(probe.counter, None)
-                if sent is not None and probe.flags & liveness.MEMBER:
+                member = bool(probe.flags & liveness.MEMBER)
+                sent = self._probe_answered(probe.counter, member)
+                if sent is not None and member:
                     self.lease.heard(sent)
-                    self._probes_sent = {c: t for c, t in self._probes_sent.items() if c > probe.counter}
             elif probe.counter > self._probe_seen:
                 self._probe_seen = probe.counter
                 answer = dataclasses.replace(probe, sender=liveness.FROM_AGENT, kind=liveness.ANSWER)

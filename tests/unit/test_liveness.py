@@ -8,6 +8,7 @@ import contextlib
 import queue
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -230,3 +231,39 @@ def test_a_stream_silent_past_its_cap_is_told_apart_from_silence_on_both_paths()
     cap = liveness.MAX_STREAM_SILENCE
     alive.heard(cap)
     assert alive.lost(cap + 0.5) and alive.stream_broken(cap + 0.5)
+
+
+def test_the_probe_thread_outlives_probes_sent_while_it_settles_answers() -> None:
+    """The heartbeat thread records each probe it sends while the probe thread settles the coordinator's
+    answers (dropping every older probe): with threads switching every microsecond, the probe thread once
+    died of "dictionary changed size during iteration", and a node on a lossy link lost its second path."""
+    client = CoordinatorClient("127.0.0.1", 9, SECRET, on_message=lambda _: None)
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    answers = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client._probe_key, client._node_rank, client._probe_addr = b"k" * 32, 0, sink.getsockname()
+    prober = threading.Thread(target=client._prober, name="probes-under-test", daemon=True)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        prober.start()
+        to_prober = ("127.0.0.1", client._probe_sock.getsockname()[1])
+        for round_ in range(2000):  # ten probes sent for each one answered: the book grows to thousands
+            for _ in range(10):
+                client._send_probe(time.monotonic())  # what the heartbeat thread does
+            answer = liveness.Probe(
+                liveness.FROM_COORDINATOR, liveness.ANSWER, 0, round_ + 1, liveness.MEMBER
+            )
+            answers.sendto(liveness.encode(answer, client._probe_key), to_prober)
+            assert prober.is_alive(), f"the probe thread died in round {round_}"
+        deadline = time.monotonic() + 60
+        while min(client._probes_sent) <= 2000:  # the last answer (again: a datagram may be dropped) settles
+            assert prober.is_alive() and time.monotonic() < deadline, min(client._probes_sent)
+            answers.sendto(liveness.encode(answer, client._probe_key), to_prober)
+            time.sleep(0.1)
+        assert len(client._probes_sent) == 18000 and prober.is_alive()
+    finally:
+        sys.setswitchinterval(before)
+        client.close()
+        sink.close()
+        answers.close()
