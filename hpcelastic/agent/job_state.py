@@ -911,12 +911,31 @@ class JobState:
             return None
         signature = root_cause_signature({**cause, "traceback": traceback})
         self.startup_failure = signature
+        if previous is None and self._every_rank_failed_alike(signature):
+            return (
+                f"every rank of round {self.round} failed the same way before any step (the script's own "
+                "error, not a node's); not restarting: fix the script"
+            )
         if previous is None or previous != signature:
             return None
         return (
             f"round {self.round} failed at start-up exactly like round {self.round - 1} (same error, no step "
             "reached); not restarting again: fix the script"
         )
+
+    def _every_rank_failed_alike(self, signature: str) -> bool:
+        """The attempt's first round, and every rank of it failed on its own (an exception or an exit code,
+        no signal) with the same error: a usage error the script makes on every node alike, which a restart
+        cannot mend. A node's trouble shows on that node's ranks only."""
+        if self.restart_count or not self.round_nodes or self.lost_in_round:
+            return False
+        world = sum(self.members[n].nproc for n in self.round_nodes if n in self.members)
+        failed: dict[int, str | None] = {}
+        for f in self.failures:
+            if f.get("signal") or f.get("rank") is None:
+                return False
+            failed[int(f["rank"])] = root_cause_signature(f)
+        return len(failed) == world > 1 and set(failed.values()) == {signature}
 
     def _first_lost(self) -> LostNode | None:
         """The round's first vanished node, else the first a signal stopped."""

@@ -187,12 +187,17 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
         and not progressed
     )
     if (end.reason is Reason.STARTUP_FAILURE and not progressed) or repeated:
+        how = (
+            f"exactly like attempt {end.attempt - 1} (same root cause, no progress)"
+            if repeated
+            else "(the script's own error, no progress)"
+        )
         return skip(
             SkipReason.STARTUP_FAILURE,
             Reason.STARTUP_FAILURE,
             Reason.STARTUP_FAILURE.exit_code,
-            f"attempt {end.attempt} failed at start-up exactly like attempt {end.attempt - 1} (same root "
-            "cause, no progress); not requeued: fix the script, then `hpcelastic submit` again",
+            f"attempt {end.attempt} failed at start-up {how}; not requeued: fix the script, then "
+            "`hpcelastic submit` again",
         )
     if not end.job_id:
         return skip(

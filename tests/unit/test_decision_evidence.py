@@ -241,6 +241,39 @@ def test_the_same_startup_error_in_two_rounds_stops_the_restarts() -> None:
     assert _finish(actions).reason is Reason.STARTUP_FAILURE
 
 
+def _first_round_failures(state: JobState, clock: list[float], nodes: dict[int, list[int]], tb: str) -> list:
+    """Round 0's workers start; ``nodes``' ranks (node rank -> global ranks) fail at once with ``tb``."""
+    failure = {"local_rank": 0, "exitcode": 2, "signal": None, "error": "exited with code 2"}
+    for n in range(2):
+        state.started_workers(n, 0, clock[0])
+    clock[0] += 1
+    actions: list = []
+    for n in range(2):
+        failed = [
+            {**failure, "rank": r, "round": 0, "traceback": tb, "ts": clock[0]} for r in nodes.get(n, [])
+        ]
+        actions += state.worker_failed(n, 0, failed) if failed else []
+    for n in range(2):
+        actions += state.workers_stopped(n, 0, [])
+    return actions
+
+
+def test_a_usage_error_on_every_rank_of_the_first_round_ends_the_attempt_at_once() -> None:
+    """Issue 31: the script rejects its arguments on every rank before any step: no restart, one end with
+    the error; the same error on one node's ranks only (that node's trouble) is restarted as before."""
+    usage = "usage: train.py [-h] --data DATA\ntrain.py: error: unrecognized arguments: --nodes 2"
+    clock = [100.0]
+    state = _job(2, clock)  # two nodes, two workers each
+    actions = _first_round_failures(state, clock, {0: [0, 1], 1: [2, 3]}, usage)
+    assert state.restart_count == 0
+    finish = _finish(actions)
+    assert finish.reason is Reason.STARTUP_FAILURE and "every rank" in finish.message, finish
+    clock = [100.0]
+    state = _job(2, clock)
+    _first_round_failures(state, clock, {1: [2, 3]}, usage)
+    assert state.restart_count == 1 and state.result is None
+
+
 def test_the_same_error_after_a_step_or_a_signal_keeps_restarting() -> None:
     for kind in ("step", "signal"):
         clock = [100.0]
