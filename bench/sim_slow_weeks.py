@@ -4,13 +4,14 @@ how soon, and the ledger's slow time against the model's.
 Runs seeds 0..N-1 through ``python -m hpcelastic.sim.slow --json`` in subprocesses (niced), and writes the
 ``sim_slow_weeks`` section of bench/RESULTS.md.
 
-    python bench/sim_slow_weeks.py [--weeks 10000] [--jobs 2]
+    python bench/sim_slow_weeks.py [--weeks 10000] [--jobs 2] [--cache DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import statistics
 import subprocess
@@ -47,18 +48,40 @@ DESCRIPTION = " ".join(
 )
 
 
-def run_weeks(weeks: int, jobs: int) -> tuple[list[dict[str, Any]], float]:
-    """Every week's JSON line, seeds 0..weeks-1; and the seconds it took."""
+def code_key() -> str:
+    """A hash of the code the weeks run (hpcelastic/slow and hpcelastic/sim as in the working tree)."""
+    digest = hashlib.sha256()
+    for path in sorted(
+        [*(ROOT / "hpcelastic" / "slow").glob("*.py"), *(ROOT / "hpcelastic" / "sim").glob("*.py")]
+    ):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def run_weeks(weeks: int, jobs: int, cache: Path | None = None) -> tuple[list[dict[str, Any]], float]:
+    """Every week's JSON line, seeds 0..weeks-1; and the seconds it took. With ``cache``, each chunk's lines
+    are kept in ``cache/<code key>/`` and a later run takes them from there (the weeks can be run a few
+    chunks at a time, on a machine's idle cores)."""
     t0 = time.perf_counter()
+    kept = cache / code_key() if cache is not None else None
 
     def chunk(first: int) -> str:
+        done = kept / f"{first}-{min(CHUNK, weeks - first)}.jsonl" if kept is not None else None
+        if done is not None and done.exists():
+            return done.read_text()
         argv = ["--seed", str(first), "--weeks", str(min(CHUNK, weeks - first)), "--json"]
-        return subprocess.run(
+        out = subprocess.run(
             ["nice", "-n", "10", sys.executable, "-m", "hpcelastic.sim.slow", *argv],
             cwd=ROOT,
             capture_output=True,
             text=True,
+            check=True,
         ).stdout
+        if done is not None:
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.with_suffix(".tmp").write_text(out)
+            done.with_suffix(".tmp").replace(done)
+        return out
 
     with ThreadPoolExecutor(jobs) as pool:
         outs = list(pool.map(chunk, range(0, weeks, CHUNK)))
@@ -100,6 +123,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weeks", type=int, default=10_000)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=None, help="keep each chunk's weeks here (resumable)")
     args = parser.parse_args()
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -109,7 +133,7 @@ def main() -> int:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    rows, took = run_weeks(args.weeks, args.jobs)
+    rows, took = run_weeks(args.weeks, args.jobs, args.cache)
     counts = collections.Counter(v for r in rows for v in r["violations"])
     nodes = collections.Counter(r["nodes"] for r in rows)
     total = collections.Counter()
@@ -161,7 +185,9 @@ def main() -> int:
         f"{true_slow / 3600:.0f} h (the rest: drops the pace did not sustain, or could not see, and "
         f"rebaselined loads). {hours} windows judged or skipped as calm.",
         "",
-        f"Run time: {took:.0f} s ({args.jobs} processes). Violations: {first_seeds(rows)}.",
+        f"Run time: {took:.0f} s ({args.jobs} processes"
+        + (", chunks kept from earlier runs of the same code included" if args.cache else "")
+        + f"). Violations: {first_seeds(rows)}.",
     ]
     update_section(SECTION, "\n".join(md))
     print("\n".join(md))
