@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal as _signal
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hpcelastic.errors import UserError
@@ -199,3 +200,13 @@ def check_no_task_array(options: Sequence[str], where: str) -> None:
                 f"{where} {opt!r}: job arrays of several tasks are not supported (the tasks would share "
                 "one run directory and its checkpoints); submit one job per task, each with its own --run-dir"
             )
+
+
+def script_not_found(script: str, path: Path) -> UserError:
+    """The error for a training script ``script`` that is no file at ``path``: a directory, or nothing."""
+    if path.is_dir():
+        return UserError(
+            f"training script {script!r} is a directory; give the script in it "
+            f"(e.g. {script.rstrip('/')}/train.py), or -m and a module name"
+        )
+    return UserError(f"training script {script!r} does not exist (looked for {path}); check the path")

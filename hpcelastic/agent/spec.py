@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from hpcelastic import sites
 from hpcelastic.errors import UserError
-from hpcelastic.parse import AUTO, check_module_name, parse_nodes, parse_nproc, parse_signal
+from hpcelastic.parse import AUTO, check_module_name, parse_nodes, parse_nproc, parse_signal, script_not_found
 from hpcelastic.slow.policy import SlowSettings
 from hpcelastic.tier.settings import TierSettings
 
@@ -199,4 +199,4 @@ def worker_argv(program: tuple[str, ...], module: bool) -> tuple[str, ...]:
     found = shutil.which(head) if "/" not in head else None
     if found:
         return (found, *rest)
-    raise UserError(f"training script {head!r} does not exist (looked in {Path.cwd()}); check the path")
+    raise script_not_found(head, path.absolute())

@@ -27,6 +27,7 @@ from hpcelastic.parse import (
     parse_nodes,
     parse_nproc,
     parse_time,
+    script_not_found,
     signal_name,
 )
 from hpcelastic.sites import Resolved, default
@@ -155,7 +156,7 @@ def _resolve_script(script: str, module: bool, cwd: str) -> str:
         return check_module_name(script)
     path = Path(cwd) / os.path.expanduser(script)
     if not path.is_file():
-        raise UserError(f"training script {script!r} does not exist (looked for {path})")
+        raise script_not_found(script, path)
     return str(path.resolve())
 
 

@@ -234,7 +234,7 @@ CASES: list[Case] = [
     # ---- submit: script, run directory, backend, template ----
     sub(expect="Missing argument 'SCRIPT'", id="submit-no-script"),
     sub("missing.py", expect="training script 'missing.py' does not exist", id="submit-script-missing"),
-    sub("adir", expect="training script 'adir' does not exist", id="submit-script-is-directory"),
+    sub("adir", expect="training script 'adir' is a directory", id="submit-script-is-directory"),
     sub("ünï代码.py", expect="'ünï代码.py' does not exist", id="submit-script-unicode"),
     sub("mi\nssing.py", expect="'mi\\nssing.py' does not exist", id="submit-script-newline"),
     sub(os.fsdecode(b"\xff.py"), expect="'\\udcff.py' does not exist", id="submit-script-not-utf8"),
@@ -429,6 +429,7 @@ CASES: list[Case] = [
     Case("run-nodes-0", ("run", "--nodes", "0", "train.py"), "--nodes '0'"),
     Case("run-nproc-x", ("run", "--nproc-per-node", "x", "train.py"), "--nproc-per-node 'x'"),
     Case("run-script-missing", ("run", "missing.py"), "'missing.py' does not exist"),
+    Case("run-script-is-directory", ("run", "adir"), "training script 'adir' is a directory"),
     Case("run-module-bad", ("run", "-m", "bad module"), "-m 'bad module' is not a Python module"),
     Case("run-run-dir-exists", ("run", "--run-dir", "adir", "train.py"), "adir already exists"),
     Case("run-rdzv-timeout-0", ("run", "--rdzv-timeout", "0", "train.py"), "'--rdzv-timeout'"),
