@@ -145,8 +145,11 @@ class RunDir:
     #: ``hpcelastic run``'s processes (agent/launcher.py), so that ``status`` can tell whether they live.
     local_path = property(lambda self: self.path / "local.json")
     run_id_path = property(lambda self: self.path / "run_id")
-    #: The job id of a run outside Slurm (``hpcelastic run``): it keys attempts like a Slurm job id.
-    local_job_id = property(lambda self: f"local-{self.path.name}")
+    #: The job id of a run outside Slurm (``hpcelastic run``): it keys attempts like a Slurm job id. The
+    #: default run directory's name already starts with ``local-`` (``launcher.default_run_dir``).
+    local_job_id = property(
+        lambda self: self.path.name if self.path.name.startswith("local-") else f"local-{self.path.name}"
+    )
 
     def attempt_log_dir(self, attempt: int) -> Path:
         """Directory of the per-rank logs of one attempt (created on demand)."""

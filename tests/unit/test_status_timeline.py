@@ -234,3 +234,12 @@ def test_a_requeue_slurm_made_before_hpcelastic_ended_the_attempt_gets_its_row(t
         "job 7 requeued by Slurm itself (restart count 0 -> 1) before hpcelastic ended attempt 0"
     ]
     assert [w for w, _ in rows][:3] == ["attempt 0 started", "requeued as attempt 1", "attempt 1 started"]
+
+
+def test_a_default_local_run_s_job_id_says_local_once(tmp_path: Path) -> None:
+    """Issue 30: a default ``hpcelastic run`` directory (``local-<stamp>-<pid>``) gave ``local-local-...``."""
+    from hpcelastic.agent.launcher import default_run_dir
+
+    default = RunDir(tmp_path / default_run_dir().name)
+    assert default.local_job_id == default.path.name and default.local_job_id.count("local-") == 1
+    assert RunDir(tmp_path / "exp7").local_job_id == "local-exp7"
