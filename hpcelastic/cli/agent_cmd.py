@@ -185,7 +185,16 @@ def agent(**params: Any) -> None:
 @click.option("--no-warm-start", is_flag=True, help="Start each worker in a new interpreter.")
 @_CONSOLE
 @_METRICS_PORT
-@click.option("--local-tier", help=_LOCAL_TIER_HELP)
+@click.option(
+    "--local-checkpoint-dir",
+    help=sites.SCHEMA["checkpoint_tier.local_checkpoint_dir"].option,
+)
+@click.option(
+    "--local-checkpoint-mb",
+    type=click.IntRange(min=1),
+    help=sites.SCHEMA["checkpoint_tier.local_checkpoint_mb"].option,
+)
+@click.option("--local-tier", help=_LOCAL_TIER_HELP + " Every setting; or --local-checkpoint-dir.")
 @_slow_options
 @click.option("-m", "--module", is_flag=True, help="Run PROGRAM as a Python module.")
 @_PROGRAM
@@ -203,6 +212,8 @@ def run(
     no_warm_start: bool,
     console: str | None,
     metrics_port: int | None,
+    local_checkpoint_dir: str | None,
+    local_checkpoint_mb: int | None,
     local_tier: str | None,
     slow_action: str | None,
     slow_min_slowdown: float | None,
@@ -221,10 +232,7 @@ def run(
     lo, hi = parse_nodes(nodes)
     parse_nproc(nproc_per_node)
     worker_argv(program, module)
-    if local_tier:
-        from hpcelastic.tier.settings import TierSettings
-
-        TierSettings.parse(local_tier)
+    local_tier = _local_tier(local_tier, local_checkpoint_dir, local_checkpoint_mb)
     if run_dir is not None and run_dir.exists():
         raise UserError(f"run directory {run_dir} already exists; pick a new one with --run-dir")
     if replica_groups or min_replica_groups:
@@ -254,3 +262,21 @@ def run(
         slow=_slow_text(slow_action, slow_min_slowdown, slow_windows),
     )
     sys.exit(run_local(spec))
+
+
+def _local_tier(text: str | None, directory: str | None, mb: int | None) -> str | None:
+    """``run``'s local tier as the agents' ``--local-tier`` JSON: from that option, or from the options
+    ``submit`` has (``--local-checkpoint-dir``, ``--local-checkpoint-mb``); checked here."""
+    from hpcelastic.tier.settings import TierSettings
+
+    if text and (directory or mb):
+        raise UserError(
+            "--local-tier and --local-checkpoint-dir/--local-checkpoint-mb: give one or the other"
+        )
+    if mb and not directory:
+        raise UserError("--local-checkpoint-mb needs --local-checkpoint-dir (the tier is off without it)")
+    if directory:
+        return TierSettings(local_checkpoint_dir=directory, local_checkpoint_mb=mb).to_text()
+    if text:
+        TierSettings.parse(text)
+    return text

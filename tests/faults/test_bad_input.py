@@ -430,6 +430,23 @@ CASES: list[Case] = [
     Case("run-nproc-x", ("run", "--nproc-per-node", "x", "train.py"), "--nproc-per-node 'x'"),
     Case("run-script-missing", ("run", "missing.py"), "'missing.py' does not exist"),
     Case("run-script-is-directory", ("run", "adir"), "training script 'adir' is a directory"),
+    Case(
+        "run-tier-mb-alone",
+        ("run", "--local-checkpoint-mb", "64", "train.py"),
+        "needs --local-checkpoint-dir",
+    ),
+    Case(
+        "run-tier-twice",
+        (
+            "run",
+            "--local-tier",
+            '{"local_checkpoint_dir": "/dev/shm/x"}',
+            "--local-checkpoint-dir",
+            "/tmp/y",
+            "train.py",
+        ),
+        "give one or the other",
+    ),
     Case("run-module-bad", ("run", "-m", "bad module"), "-m 'bad module' is not a Python module"),
     Case("run-run-dir-exists", ("run", "--run-dir", "adir", "train.py"), "adir already exists"),
     Case("run-rdzv-timeout-0", ("run", "--rdzv-timeout", "0", "train.py"), "'--rdzv-timeout'"),

@@ -206,9 +206,10 @@ def test_with_replica_groups_a_restarted_group_heals_from_its_peer_and_restores_
     out = tmp_path / "out"
     out.mkdir()
     run = tmp_path / "run"
-    tier = TierSettings(f"/dev/shm/hpce22-rg-{tmp_path.name}-{{node}}").to_text()
+    tier = f"/dev/shm/hpce22-rg-{tmp_path.name}-{{node}}"  # the option submit has too (issue 30)
     cmd = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "2", "--nproc-per-node", "2"]
-    cmd += ["--replica-groups", "2", "--run-dir", str(run), "--rdzv-timeout", "60", "--local-tier", tier]
+    cmd += ["--replica-groups", "2", "--run-dir", str(run), "--rdzv-timeout", "60"]
+    cmd += ["--local-checkpoint-dir", tier]
     cmd += train_args(out, steps=steps, crash_at=10)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
