@@ -85,7 +85,7 @@ LANE = 15
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: #1f2933;
-       margin: 24px 32px; max-width: 1120px; overflow-wrap: anywhere; }
+       margin: 24px 32px; max-width: 1120px; overflow-wrap: break-word; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; }
 .meta { color: #52606d; margin: 0 0 16px; }
 .kpis { display: flex; flex-wrap: wrap; gap: 12px; }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -187,6 +188,38 @@ def test_rendered_dom_has_the_timeline_and_the_summary(report: Path, tmp_path: P
     assert "worker_failure" in incidents and "preemption" in incidents
     assert "RuntimeError: boom" in incidents
     assert "worker_failure" in dom.text["by-cause"]
+
+
+#: Run in the page (a copy: the report itself has no script): every word of the incident table whose letters
+#: lie on two lines, written into the page for ``--dump-dom`` to show.
+BROKEN_WORDS = """<script>
+const broken = [];
+for (const cell of document.querySelectorAll('#incidents td, #incidents th')) {
+  const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (const m of node.data.matchAll(/[A-Za-z_]{3,}/g)) {
+      const range = document.createRange();
+      range.setStart(node, m.index); range.setEnd(node, m.index + m[0].length);
+      const tops = new Set([...range.getClientRects()].map(r => Math.round(r.top)));
+      if (tops.size > 1) broken.push(m[0]);
+    }
+  }
+}
+const out = document.createElement('pre'); out.id = 'broken'; out.textContent = JSON.stringify(broken);
+document.body.appendChild(out);
+</script>"""
+
+
+@pytest.mark.parametrize("width", [1400, 1000])
+def test_no_word_of_the_incident_table_is_broken_across_lines(
+    report: Path, tmp_path: Path, width: int
+) -> None:
+    """Issue 30: at 1400 px the table broke words in the middle ("whe n", "detect ion")."""
+    page = tmp_path / "measured.html"
+    page.write_text(report.read_text().replace("</body>", BROKEN_WORDS + "</body>"))
+    dom = _Dom()
+    dom.feed(run_chromium(tmp_path, f"--window-size={width},900", "--dump-dom", page.as_uri()).stdout)
+    assert json.loads(dom.text["broken"]) == []
 
 
 def test_screenshot_is_a_readable_picture(report: Path, tmp_path: Path) -> None:
