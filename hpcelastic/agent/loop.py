@@ -36,7 +36,7 @@ from hpcelastic.env import slurm as slurm_env
 from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
 from hpcelastic.slow import speed
-from hpcelastic.slow.collect import NodeCollector
+from hpcelastic.slow.collect import NodeCollector, read_clock
 from hpcelastic.tier.book import position_of
 from hpcelastic.tier.node import SCAN_INTERVAL_S
 
@@ -49,6 +49,10 @@ STOP_CHECK_INTERVAL = 0.25
 STOP_QUIET_S = 0.5
 #: How often a node sends its slow-node evidence (hpcelastic/slow/): the ranks dump theirs every ~5 s.
 SLOW_SAMPLE_S = 5.0
+#: A failure this soon after the round's workers started, before any step: the others get this long to
+#: exit on their own before they are stopped (a usage error fails every rank within moments).
+STARTUP_WINDOW_S = 30.0
+STARTUP_SETTLE_S = 2.0
 
 
 def ignores_stop(step: int | None, stop_step: int | None, step_at_stop: int | None) -> bool:
@@ -427,6 +431,7 @@ class NodeLoop:
         self._end_resume_watch()
         self._flush_steps()
         group = self.rt.group
+        self._let_startup_errors_show()
         failures = tuple(group.failure(w) for w in group.reap_failed())
         self.state = State.RESTARTING
         group.stop(RESTART_KILL_GRACE)
@@ -434,6 +439,29 @@ class NodeLoop:
             self.rt.tier.final_scan((), position_of(rnd))
         self.reported_round = rnd.round
         self.rt.client.send(messages.Stopped(rnd.round, failures))
+
+    def _let_startup_errors_show(self) -> None:
+        """In a round's first :data:`STARTUP_WINDOW_S`, before any step here, wait up to
+        :data:`STARTUP_SETTLE_S` for the other workers to exit on their own before stopping them: a usage
+        error fails every rank within moments, and only every rank's own exit tells it from one node's
+        trouble (``JobState``: the attempt then ends at once instead of restarting)."""
+        group = self.rt.group
+        running = group.running()
+        began = min((w.started for w in group.workers), default=0.0)
+        if not running or time.time() - began > STARTUP_WINDOW_S or self._stepped_here():
+            return
+        deadline = time.monotonic() + STARTUP_SETTLE_S
+        while time.monotonic() < deadline and any(w.proc.poll() is None for w in running):
+            time.sleep(0.05)
+
+    def _stepped_here(self) -> bool:
+        """A worker of this node took a step this round: by its heartbeats, or its step clock (an unchanged
+        script's optimizer steps, when the tier or slow-node detection is on)."""
+        group = self.rt.group
+        if any(w.step for w in group.workers):
+            return True
+        clocks = [path for path in (group.step_clock(w) for w in group.workers) if path is not None]
+        return any((got := read_clock(path)) is not None and got[0] > 0 for path in clocks)
 
     def _check_stalls(self, stall_timeout: float) -> None:
         if self.state != State.RUNNING or self.round is None:

@@ -35,6 +35,7 @@ from hpcelastic.parse import (
     parse_nodes,
     parse_nproc,
 )
+from hpcelastic.reasons import Reason
 
 _CONTEXT = {"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 _STALL_HELP = "Seconds without progress = hang."
@@ -261,7 +262,12 @@ def run(
         local_tier=local_tier,
         slow=_slow_text(slow_action, slow_min_slowdown, slow_windows),
     )
-    sys.exit(run_local(spec))
+    code = run_local(spec)
+    if code == Reason.STARTUP_FAILURE.exit_code:
+        hint = misplaced_options(program, click.get_current_context().command)
+        if hint:
+            click.echo(f"hpcelastic: hint: {hint}", err=True)
+    sys.exit(code)
 
 
 def _local_tier(text: str | None, directory: str | None, mb: int | None) -> str | None:
@@ -280,3 +286,17 @@ def _local_tier(text: str | None, directory: str | None, mb: int | None) -> str 
     if text:
         TierSettings.parse(text)
     return text
+
+
+def misplaced_options(program: tuple[str, ...], command: click.Command) -> str | None:
+    """When the script's arguments hold ``command``'s own options (``hpcelastic run train.py --nodes 2``):
+    what to say, since they went to the script."""
+    own = {opt for p in command.params for opt in getattr(p, "opts", ()) if opt.startswith("--")}
+    found = [a.split("=", 1)[0] for a in program[1:] if a.split("=", 1)[0] in own]
+    if not found or not program:
+        return None
+    return (
+        f"{', '.join(dict.fromkeys(found))} came after {program[0]}, so the script got "
+        f"{'it' if len(set(found)) == 1 else 'them'}: hpcelastic's options go before the script "
+        f"(hpcelastic {command.name} {found[0]} ... {program[0]} ARGS)"
+    )

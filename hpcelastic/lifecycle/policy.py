@@ -197,7 +197,7 @@ def decide(history: History, end: AttemptEnd, settings: Settings) -> Decision:
             Reason.STARTUP_FAILURE,
             Reason.STARTUP_FAILURE.exit_code,
             f"attempt {end.attempt} failed at start-up {how}; not requeued: fix the script, then "
-            "`hpcelastic submit` again",
+            f"`hpcelastic {'submit' if end.job_id else 'run'}` again",
         )
     if not end.job_id:
         return skip(
