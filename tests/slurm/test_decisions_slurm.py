@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from hpcelastic.lifecycle.history import requeue_counts
 from hpcelastic.lifecycle.policy import MAX_STOPS_WITHOUT_PROGRESS
+from hpcelastic.reasons import RequeueCounter
+from hpcelastic.rundir import RunDir
 from tests.slurm_utils import (
     events,
     final_digest,
@@ -60,8 +63,10 @@ def test_an_unchanged_self_checkpointing_script_survives_three_time_limits(
     assert rec["JobState"] == "COMPLETED", (rec, ended)
     stops = [e for e in ended if e["reason"] == "time_limit"]
     assert len(stops) >= MAX_STOPS_WITHOUT_PROGRESS, ended
-    # Slurm's view: one requeue per time limit, nothing else.
+    # Slurm's view: one requeue per time limit, nothing else; none counted against the failure budget.
     assert job_record(job)["Restarts"] == str(len(stops))
+    counts = requeue_counts(RunDir(run).events())
+    assert counts[RequeueCounter.FAILURE] == 0 and counts[RequeueCounter.TIME_LIMIT] == len(stops), counts
     # On a loaded machine an attempt can start too late to save before its signal: it does not count.
     progressed = [e for e in stops if e["progressed"] and "checkpoint" in (e["progress"] or "")]
     assert len(progressed) >= MAX_STOPS_WITHOUT_PROGRESS, [
