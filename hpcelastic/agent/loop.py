@@ -37,6 +37,7 @@ from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
 from hpcelastic.slow import speed
 from hpcelastic.slow.collect import NodeCollector, read_clock
+from hpcelastic.slow.input_watch import InputWatch
 from hpcelastic.tier.book import position_of
 from hpcelastic.tier.node import SCAN_INTERVAL_S
 
@@ -136,8 +137,10 @@ class NodeLoop:
         self.flush_then: Callable[[], None] | None = None
         self.flush_deadline: float | None = None
         self.flush_sent_round: int | None = None
-        #: Slow-node detection's evidence of this node's ranks in the current round (None: off, no round).
+        #: Slow-node detection's evidence of this node's ranks in the current round (None: off, no round),
+        #: and their stacks while the pace has dropped (the ``input`` kind; None: detection off).
         self.slow: NodeCollector | None = None
+        self.inputs = InputWatch() if rt.group.cfg.slow_dir is not None else None
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -166,12 +169,16 @@ class NodeLoop:
                 self.hangs.start()
                 if not self.hangs.available:
                     self.rt.say("no py-spy: hangs are seen from heartbeats only (pip install py-spy)")
+            if self.inputs is not None:
+                self.inputs.start()
             try:
                 self._loop()
             finally:
                 self._end_resume_watch()
                 if self.hangs is not None:
                     self.hangs.close()
+                if self.inputs is not None:
+                    self.inputs.close()
         assert self.exit_code is not None
         return self.exit_code
 
@@ -264,6 +271,8 @@ class NodeLoop:
             self.slow = NodeCollector(
                 group.cfg.slow_dir, {w.rank: group.step_clock(w) for w in group.workers}
             )
+        if self.inputs is not None:
+            self.inputs.watch({w.rank: w.proc.pid for w in group.workers})
         if self.hangs is not None:
             workers = [(w.rank, w.proc.pid) for w in group.workers]
             self.hangs.watch(msg.round, workers, main_thread_io=msg.num_replica_groups > 0)
@@ -297,9 +306,12 @@ class NodeLoop:
         facts = self.rt.health.facts() if self.rt.health is not None else {}
         gpus = {w.rank: facts[w.local_rank] for w in group.workers if w.local_rank in facts}
         rtt = self.rt.client.link_rtt_s()
-        sample = self.slow.sample(self.round.round, rtt_s=rtt, gpus=gpus)
+        shares = self.inputs.shares() if self.inputs is not None else None
+        sample = self.slow.sample(self.round.round, rtt_s=rtt, input_shares=shares, gpus=gpus)
         if sample is None:
             sample = messages.SlowSample(self.round.round, time.time_ns(), rtt)
+        elif self.inputs is not None and sample.ranks:
+            self.inputs.observe(now, max(r.steps for r in sample.ranks))
         ages = [now - max(saves)] if saves else []
         written = newest_write(group.cfg.checkpoint_dir)  # a save too quick to be caught open
         ages += [max(0.0, time.time() - written)] if written is not None else []

@@ -82,8 +82,9 @@ class Evidence:
 
 
 def in_data_loading(functions: list[str] | tuple[str, ...]) -> bool:
-    """A stack (its frames' function names) is in data loading."""
-    return any(f in DATA_FRAMES for f in functions)
+    """A stack (its frames' function names, bare or qualified as py-spy names them:
+    ``_MapDatasetFetcher.fetch``) is in data loading."""
+    return any(f.rsplit(".", 1)[-1] in DATA_FRAMES for f in functions)
 
 
 def quantile(values: list[float], q: float) -> float:

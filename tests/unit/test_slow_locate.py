@@ -69,6 +69,11 @@ def test_stack_samples_in_data_loading() -> None:
     assert loc.in_data_loading(["_next_data", "__next__", "main"])
     assert loc.in_data_loading(["__getitem__", "_worker_loop"])
     assert not loc.in_data_loading(["backward", "main"])
+    # py-spy names methods by their qualified names
+    assert loc.in_data_loading(
+        ["_MapDatasetFetcher.fetch", "_SingleProcessDataLoaderIter._next_data", "main"]
+    )
+    assert not loc.in_data_loading(["Trainer.fetch_metrics", "<module>"])
 
 
 def test_network_when_no_rank_is_late_but_one_nodes_round_trip_rose() -> None:
