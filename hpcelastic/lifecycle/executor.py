@@ -322,15 +322,15 @@ class Executor:
         but not yet DOWN: the next attempt's srun fails (``Invalid generic resource (gres)
         specification``) and GPUs stay allocated on idle nodes for every user (issue 18). Requeued once
         the node is DOWN, the job is clean. A node is dead when its slurmd does not answer; slurmctld
-        notices within SlurmdTimeout, the longest wait (plus :data:`DOWN_WAIT_EXTRA_S`). A dead batch host
-        is not waited for: once it is DOWN Slurm ends the job, and this decider with it.
+        notices within SlurmdTimeout, the longest wait (plus :data:`DOWN_WAIT_EXTRA_S`). The batch host is
+        waited for like any other node (issue 31): a ``--no-kill`` job stays RUNNING without its batch
+        script, and a requeue before its host is DOWN leaks that host's GPUs just the same.
         """
         try:
             job = slurm.show_job(job_id)
             if job.get("JobState") != "RUNNING" or not (job.get("TresPerNode") or job.get("TresPerJob")):
                 return
-            others = [n for n in exclude if n != job.get("BatchHost")]
-            dead = [n for n in others if not slurm.node_is_down(n) and not slurm.slurmd_answers(n)]
+            dead = [n for n in exclude if not slurm.node_is_down(n) and not slurm.slurmd_answers(n)]
             timeout = float((slurm.config_value("SlurmdTimeout") or "300").split()[0])
         except (SlurmError, ValueError):
             return

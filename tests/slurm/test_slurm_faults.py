@@ -290,9 +290,13 @@ def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
 ) -> None:
     """The batch host's node dies with the coordinator. With --no-kill, Slurm 22.05 would keep the
     job RUNNING without a batch script until its time limit; the surviving agent sees the batch
-    shell's heartbeat stand still, ends the attempt as a node failure and requeues the job without
-    that node. The next attempt finishes."""
-    job_id, run = submit(tmp_path, "--nodes", "2", steps=60, train=("--step-time", "0.2"))
+    shell's heartbeat stand still and ends the attempt as a node failure. The job has a GPU a node:
+    requeued before Slurm marked the dead host DOWN, 22.05 would leak its GRES (the autouse
+    ``no_leaked_gres`` check, issue 31), so hpcelastic waits for DOWN. Then either hpcelastic requeues the
+    job without that node, or Slurm has requeued it itself on the DOWN batch host (and the decider with
+    it): either way once, and the next attempt finishes elsewhere."""
+    flags = ("--nodes", "2", "--gpus-per-node", "1")
+    job_id, run = submit(tmp_path, *flags, steps=60, train=("--step-time", "0.2"))
     rec = wait_state(job_id, {"RUNNING"}, 60)
     host = rec["BatchHost"]
     wait_event(run, "progress")
@@ -302,11 +306,14 @@ def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
         assert ended["reason"] == "node_unhealthy" and ended["bad_nodes"] == [host], ended
         rec = wait_state(job_id, ENDED_STATES, 300)
         assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
-        assert host not in rec["NodeList"] and host in rec["ExcNodeList"], rec
+        assert host not in rec["NodeList"], rec
     finally:
         tb.revive_node(host)
     evs = events(run)
     assert [e["attempt"] for e in named(evs, "attempt_started")] == [0, 1]
-    (requeued,) = named(evs, "requeued")
-    assert requeued["reason"] == "node_unhealthy" and requeued["exclude"] == [host]
+    requeued = named(evs, "requeued")
+    assert len(requeued) <= 1, requeued
+    if requeued:  # hpcelastic's requeue (else Slurm's own, on the DOWN batch host)
+        assert requeued[0]["reason"] == "node_unhealthy" and requeued[0]["exclude"] == [host], requeued
+        assert host in rec["ExcNodeList"], rec
     assert named(evs, "attempt_ended")[-1]["reason"] == "succeeded"
