@@ -131,11 +131,14 @@ def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_q
 
 
 def test_with_no_worker_slowed_no_node_is_named(watched) -> None:  # type: ignore[no-untyped-def]
-    job = watched(seconds=60)
-    while job.running():
+    """Three judged windows past the warm-up, however long a loaded machine takes to get there."""
+    job = watched(seconds=240)
+
+    def judged() -> int:
+        return job.judged.count(Judgement.HEALTHY) + job.judged.count(Judgement.SLOW)
+
+    while job.running() and judged() < 3:
         job.poll()
-    job.poll()  # the last reports
-    assert job.agents[0].wait() == 0
+    assert judged() >= 3, job.judged
     assert [v for v in job.verdicts if v.node is not None] == []
-    assert job.judged.count(Judgement.HEALTHY) + job.judged.count(Judgement.SLOW) >= 2, job.judged
     assert max(job.evidence) >= MIN_COLLECTIVES, job.evidence  # the collectives were there to look at
