@@ -22,14 +22,11 @@ QUOTA = 0.03
 SLOW_AFTER_STEP = 200
 
 
-def train_args(
-    out: Path, ckpt: Path | str, steps: int, step_time: float = STEP_TIME, dcp: bool = False
-) -> list[str]:
-    """The script and its arguments (``dcp``: it checkpoints with Distributed Checkpoint); it writes its
-    pid to ``out/pids/rank-R`` and its model's digest to ``out/final.sha256``."""
+def train_args(out: Path, ckpt: Path | str, steps: int, step_time: float = STEP_TIME) -> list[str]:
+    """The script and its arguments; it writes its pid to ``out/pids/rank-R`` and its model's digest to
+    ``out/final.sha256``."""
     return [
         str(SCRIPT),
-        *(["--dcp"] if dcp else []),
         "--steps",
         str(steps),
         "--step-time",

@@ -8,10 +8,8 @@ parameters' SHA-256 (each step's data depends on the step and rank only: a resum
 ``--jitter`` of it longer at random on each rank;
 ``--stripe-every K`` gives ``--stripe-rank`` ``--stripe-batches`` batches more to compute every K-th step
 (the workload's own imbalance; the model is the same); ``--slow-input-rank R`` loads the batches through a
-DataLoader, each ``--slow-input-s`` longer on rank R from step ``--slow-input-after`` on; ``--dcp`` saves
-and resumes with Distributed Checkpoint instead (``dcp.save`` of ``get_state_dict`` by every rank into
-``ckpt-NNNNNN/``). It writes ``<pid-dir>/rank-<RANK>`` with its pid, so that the test can slow one rank's
-process from outside.
+DataLoader, each ``--slow-input-s`` longer on rank R from step ``--slow-input-after`` on. It writes
+``<pid-dir>/rank-<RANK>`` with its pid, so that the test can slow one rank's process from outside.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -44,43 +40,26 @@ class Batches(Dataset):
         return torch.randn(64, self.width, generator=torch.Generator().manual_seed(i * 1000 + self.rank))
 
 
-def newest(ckpt_dir: Path | None, dcp: bool) -> Path | None:
-    """The newest complete checkpoint: a ``.pt`` file, or a DCP directory with its ``.metadata``."""
-    if ckpt_dir is None or not ckpt_dir.is_dir():
-        return None
-    found = (
-        sorted(p.parent for p in ckpt_dir.glob("ckpt-*/.metadata"))
-        if dcp
-        else sorted(ckpt_dir.glob("ckpt-*.pt"))
-    )
+def newest(ckpt_dir: Path | None) -> Path | None:
+    found = sorted(ckpt_dir.glob("ckpt-*.pt")) if ckpt_dir is not None and ckpt_dir.is_dir() else []
     return found[-1] if found else None
 
 
-def save(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    if args.dcp:  # every rank takes part; DCP writes .metadata last
-        model_sd, opt_sd = get_state_dict(ddp, opt)
-        state = {"model": model_sd, "opt": opt_sd, "step": step}
-        dcp.save(state, checkpoint_id=str(args.ckpt_dir / f"ckpt-{step:06d}"))
-    elif dist.get_rank() == 0:
+def save(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    if dist.get_rank() == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
         tmp = args.ckpt_dir / f".ckpt-{step:06d}.tmp"
-        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
         os.replace(tmp, args.ckpt_dir / f"ckpt-{step:06d}.pt")
 
 
-def resume(args: argparse.Namespace, ddp: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Load the newest checkpoint into ``ddp`` and ``opt``; the step it was taken at (0: none)."""
-    found = newest(args.ckpt_dir, args.dcp)
+def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load the newest checkpoint into ``model`` and ``opt``; the step it was taken at (0: none)."""
+    found = newest(args.ckpt_dir)
     if found is None:
         return 0
-    if args.dcp:
-        model_sd, opt_sd = get_state_dict(ddp, opt)
-        state = {"model": model_sd, "opt": opt_sd, "step": 0}
-        dcp.load(state, checkpoint_id=str(found))
-        set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["opt"])
-        return int(state["step"])
     state = torch.load(found, weights_only=True)
-    ddp.module.load_state_dict(state["model"])
+    model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     return int(state["step"])
 
@@ -98,7 +77,6 @@ def main() -> None:
     p.add_argument("--stripe-every", type=int, default=0, help="every K-th step one rank gets more data")
     p.add_argument("--stripe-rank", type=int, default=0)
     p.add_argument("--stripe-batches", type=int, default=4, help="the batches more a stripe step gets")
-    p.add_argument("--dcp", action="store_true", help="checkpoints with torch.distributed.checkpoint")
     p.add_argument("--slow-input-rank", type=int, default=None, help="load batches through a DataLoader, ...")
     p.add_argument("--slow-input-after", type=int, default=0, help="... slow on this rank from this step on")
     p.add_argument("--slow-input-s", type=float, default=0.4, help="seconds more each of its batches takes")
@@ -116,8 +94,8 @@ def main() -> None:
         *(torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh()) for _ in range(4))
     )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step = resume(args, model, opt)  # before DDP wraps it, which then starts every rank from rank 0's state
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    step = resume(args, ddp, opt)
     jitter = random.Random(rank)
     loader = None
     if args.slow_input_rank is not None:  # the same batches through a DataLoader
@@ -146,7 +124,7 @@ def main() -> None:
         if args.steps is not None:
             go.fill_(1.0 if step < args.steps else 0.0)
             if args.ckpt_dir is not None and step % args.ckpt_every == 0:
-                save(args, ddp, opt, step)
+                save(args, model, opt, step)
         elif step % 10 == 0:
             go.fill_(1.0 if rank != 0 or time.time() < end else 0.0)
             dist.broadcast(go, 0)

@@ -41,24 +41,46 @@ def _record(tb: Testbed, job: str) -> dict[str, str]:
     return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
 
 
-def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+def _submit(tb: Testbed, tmp_path: Path, *flags: str) -> tuple[str, Path, Path]:
+    """The unchanged script on two nodes and a spare; its job id, run and checkpoint directories."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = submit_argv(run) + ["--time", "15", "--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", "2"]
-    argv += ["--checkpoint-dir", str(ckpt), "--slow-action", "swap", *train_args(tmp_path, ckpt, STEPS)]
+    argv += ["--checkpoint-dir", str(ckpt), "--slow-action", "swap", *flags]
+    argv += train_args(tmp_path, ckpt, STEPS)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
-    job = str(json.loads(proc.stdout)["job_id"])
-    deadline = time.monotonic() + 900
-    first = ckpt / f"ckpt-{SLOW_AFTER_STEP:06d}.pt"
-    while not first.exists():
-        assert _record(tb, job).get("JobState") not in ENDED_STATES, _record(tb, job)
-        assert time.monotonic() < deadline, f"no {first.name}"
+    return str(json.loads(proc.stdout)["job_id"]), run, ckpt
+
+
+def _wait(tb: Testbed, job: str, what: str, ready: object, deadline: float) -> None:
+    """Until ``ready()``; the job must not end before."""
+    while not ready():  # type: ignore[operator]
+        assert _record(tb, job).get("JobState") not in ENDED_STATES, (what, _record(tb, job))
+        assert time.monotonic() < deadline, f"not within the deadline: {what}"
         time.sleep(1)
-    for rank in (2, 3):  # the second node's workers
+
+
+def _slow_second_node(tb: Testbed, job: str, tmp_path: Path, ckpt: Path, cpu_quota, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    """Once the job's pace is known (its checkpoint of step ``SLOW_AFTER_STEP``), a CPU quota on the second
+    node's workers (ranks 2 and 3)."""
+    first = ckpt / f"ckpt-{SLOW_AFTER_STEP:06d}"
+    _wait(tb, job, f"{first.name}", lambda: first.exists() or first.with_suffix(".pt").exists(), deadline)
+    for rank in (2, 3):
         cpu_quota(int((tmp_path / "pids" / f"rank-{rank}").read_text()), QUOTA)
+
+
+def _wait_ended(tb: Testbed, job: str, deadline: float) -> dict[str, str]:
     while (rec := _record(tb, job)).get("JobState") not in ENDED_STATES:
         assert time.monotonic() < deadline, rec
         time.sleep(2)
+    return rec
+
+
+def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+    job, run, ckpt = _submit(tb, tmp_path)
+    deadline = time.monotonic() + 900
+    _slow_second_node(tb, job, tmp_path, ckpt, cpu_quota, deadline)
+    rec = _wait_ended(tb, job, deadline)
     evs = events(run)
     rounds = named(evs, "rendezvous")
     slow_node = rounds[0]["hosts"][1]
