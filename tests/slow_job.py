@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).parent / "faults" / "slow_train.py"
+#: The same training with ``--slow-input-*`` (a DataLoader) and ``--jitter``.
+LOADER_SCRIPT = Path(__file__).parent / "faults" / "loader_train.py"
 #: Steps padded to 0.2 s (the healthy pace stays the same on a loaded machine), a checkpoint every 20.
 STEP_TIME, CKPT_EVERY = 0.2, 20
 #: A slowed worker's share of one CPU: its compute takes about 30 times as long.
@@ -22,11 +24,13 @@ QUOTA = 0.03
 SLOW_AFTER_STEP = 200
 
 
-def train_args(out: Path, ckpt: Path | str, steps: int, step_time: float = STEP_TIME) -> list[str]:
+def train_args(
+    out: Path, ckpt: Path | str, steps: int, step_time: float = STEP_TIME, script: Path = SCRIPT
+) -> list[str]:
     """The script and its arguments; it writes its pid to ``out/pids/rank-R`` and its model's digest to
     ``out/final.sha256``."""
     return [
-        str(SCRIPT),
+        str(script),
         "--steps",
         str(steps),
         "--step-time",
