@@ -33,6 +33,7 @@ from hpcelastic.agent.runtime import RESTART_KILL_GRACE, STALL_CHECK_INTERVAL, N
 from hpcelastic.agent.stop_step import StepRate, stop_file_text, stop_grace
 from hpcelastic.agent.workers import Worker, parse_heartbeat
 from hpcelastic.env import slurm as slurm_env
+from hpcelastic.errors import EXIT_USAGE
 from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
 from hpcelastic.slow import speed
@@ -50,8 +51,8 @@ STOP_CHECK_INTERVAL = 0.25
 STOP_QUIET_S = 0.5
 #: How often a node sends its slow-node evidence (hpcelastic/slow/): the ranks dump theirs every ~5 s.
 SLOW_SAMPLE_S = 5.0
-#: A failure this soon after the round's workers started, before any step: the others get this long to
-#: exit on their own before they are stopped (a usage error fails every rank within moments).
+#: A worker's usage error this soon after the round's workers started, before any step: the node's others
+#: get this long to exit on their own before they are stopped (a usage error fails every rank at once).
 STARTUP_WINDOW_S = 30.0
 STARTUP_SETTLE_S = 2.0
 
@@ -429,6 +430,8 @@ class NodeLoop:
             return
         if code != 0:
             client.send(messages.Failed(self.round.round, (group.failure(worker),)))
+            if code == EXIT_USAGE:  # argparse's, click's and getopt's code too: the one that earns a wait
+                self._let_startup_errors_show()
             self._stop_and_report(self.round)
         elif not group.running():
             self.state = State.RESTARTING  # exit barrier: wait for the coordinator's decision
@@ -443,7 +446,6 @@ class NodeLoop:
         self._end_resume_watch()
         self._flush_steps()
         group = self.rt.group
-        self._let_startup_errors_show()
         failures = tuple(group.failure(w) for w in group.reap_failed())
         self.state = State.RESTARTING
         group.stop(RESTART_KILL_GRACE)
@@ -453,10 +455,12 @@ class NodeLoop:
         self.rt.client.send(messages.Stopped(rnd.round, failures))
 
     def _let_startup_errors_show(self) -> None:
-        """In a round's first :data:`STARTUP_WINDOW_S`, before any step here, wait up to
-        :data:`STARTUP_SETTLE_S` for the other workers to exit on their own before stopping them: a usage
-        error fails every rank within moments, and only every rank's own exit tells it from one node's
-        trouble (``JobState``: the attempt then ends at once instead of restarting)."""
+        """A worker exited with a usage error's code: in a round's first :data:`STARTUP_WINDOW_S`, before any
+        step here, wait up to :data:`STARTUP_SETTLE_S` for this node's other workers to exit on their own
+        before stopping them. A usage error fails every rank within moments, and only every rank's own exit
+        tells it from one node's trouble (``JobState``: the attempt then ends at once instead of
+        restarting). Any other failure stops the others at once: waiting would only turn their consequent
+        errors (a peer's connection reset) into failures of their own."""
         group = self.rt.group
         running = group.running()
         began = min((w.started for w in group.workers), default=0.0)

@@ -37,8 +37,6 @@ _TRANSIENT_PATTERNS = (
     "slurmctld not responding",
     "zero bytes were transmitted or received",
     "timed out",
-    # right after a requeue, until slurmdbd has given the job its DB index (seen on 22.05)
-    "try again in a bit",
 )
 
 

@@ -315,5 +315,7 @@ def test_batch_host_death_is_a_node_failure_requeued_by_hpcelastic(
     assert len(requeued) <= 1, requeued
     if requeued:  # hpcelastic's requeue (else Slurm's own, on the DOWN batch host)
         assert requeued[0]["reason"] == "node_unhealthy" and requeued[0]["exclude"] == [host], requeued
-        assert host in rec["ExcNodeList"], rec
+        # 22.05 may refuse the ExcNodeList update right after the requeue ("try again in a bit": the DB
+        # index is not set yet); the event says so, and the DOWN host stays out of the next allocation.
+        assert host in rec["ExcNodeList"] or "try again" in (requeued[0]["note"] or ""), (rec, requeued)
     assert named(evs, "attempt_ended")[-1]["reason"] == "succeeded"

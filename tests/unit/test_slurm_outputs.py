@@ -151,18 +151,3 @@ def test_unknown_json_is_refused() -> None:
         job_records_from_json(json.dumps({"errors": []}))
     with pytest.raises(ValueError):
         job_records_from_json("scontrol: error: something")
-
-
-def test_an_update_refused_until_the_db_index_is_set_is_retried(tmp_path: Path) -> None:
-    """Issue 31: right after a requeue, 22.05 refused the ExcNodeList update ("Job update not available
-    right now, the DB index is being set, try again in a bit"); it was taken as final and the bad node was
-    not excluded."""
-    fake = tmp_path / "scontrol"
-    fake.write_text(
-        "#!/bin/sh\necho 'scontrol: error: Job update not available right now, the DB index is being set, "
-        "try again in a bit for job 58' >&2\nexit 1\n"
-    )
-    fake.chmod(0o755)
-    with pytest.raises(slurm.SlurmError) as e:
-        slurm.run_slurm([str(fake), "update", "JobId=58", "ExcNodeList=n1"])
-    assert e.value.transient
