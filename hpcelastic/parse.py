@@ -155,8 +155,9 @@ def check_module_name(name: str) -> str:
 
 
 def is_env_name(name: Any) -> bool:
-    """True for a name the shell can export (``[A-Za-z_][A-Za-z0-9_]*``)."""
-    return isinstance(name, str) and ENV_NAME.fullmatch(name) is not None
+    """True for a name the shell can export (``[A-Za-z_][A-Za-z0-9_]*``), but ``_``: bash sets that one
+    itself after every command, so a value given for it never reaches the workers."""
+    return isinstance(name, str) and name != "_" and ENV_NAME.fullmatch(name) is not None
 
 
 def no_nul(value: str, what: str) -> None:

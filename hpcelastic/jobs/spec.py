@@ -228,7 +228,7 @@ def build_spec(
         if not is_env_name(key):
             raise UserError(
                 f"environment variable name {key!r} is not a valid name (letters, digits and _, "
-                "not starting with a digit)"
+                "not starting with a digit; not _ alone, which the shell sets itself)"
             )
         no_nul(value, f"environment value {key}")
         if key in _RESERVED_ENV:

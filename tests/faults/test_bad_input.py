@@ -151,6 +151,7 @@ CASES: list[Case] = [
     # ---- submit: environment, names, Slurm values ----
     sub("--env", "NOEQ", "train.py", expect="--env 'NOEQ' is not KEY=VALUE", id="submit-env-no-equals"),
     sub("--env", "1BAD=x", "train.py", expect="--env '1BAD=x' is not KEY=VALUE", id="submit-env-bad-name"),
+    sub("--env", "_=x", "train.py", expect="--env '_=x' is not KEY=VALUE", id="submit-env-underscore"),
     sub("--env", "A\nB=1", "train.py", expect="--env 'A\\nB=1' is not KEY=VALUE", id="submit-env-newline"),
     sub("--env", "ÄÖ=1", "train.py", expect="--env 'ÄÖ=1' is not KEY=VALUE", id="submit-env-unicode-name"),
     sub("--env", "HPCELASTIC_RUN_DIR=/x", "train.py", expect="reserved", id="submit-env-reserved"),
