@@ -1,8 +1,9 @@
 """Slow-node detection must not act on noise, through the real CLI: ``hpcelastic run --nodes 2
 --spare-nodes 1`` with an unchanged, self-checkpointing DDP script (gloo, two workers a node), detection on
 (the default): every node loaded alike (the same CPU quota on every worker, the way the kernel throttles
-a node) and one rank's longer batches every third step name no node and swap nothing; the job ends with the fault-free model. (A slowed node named and replaced: the same
-script through ``hpcelastic submit`` on the testbed, tests/slurm/test_slow_node_slurm.py.)
+a node) and one rank's longer batches every third step name no node and swap nothing; the job ends with
+the fault-free model. (A slowed node named and replaced: the same script through ``hpcelastic submit``
+on the testbed, tests/slurm/test_slow_node_slurm.py.)
 """
 
 from __future__ import annotations
