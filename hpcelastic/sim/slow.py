@@ -58,6 +58,8 @@ HANDLE_SLOWDOWN = 0.3
 #: learned while the node was slow (or that has none yet) the node's pace is the job's own, not a drop.
 HANDLE_S = 600.0
 VISIBLE = 0.85
+#: A baseline below this share of the healthy pace holds a slow node already (above it: the pace's own noise).
+BASELINE_HOLDS_SLOW = 0.95
 #: A swap must be made when the time it saves is this many times its cost ...
 SWAP_PAYS = 2.0
 #: ... once the slowdown has cost the swap this many times over (its measured slowdown is noisy).
@@ -510,7 +512,7 @@ class SlowSim:
             self.save = None
         calm = r == 1.0 and not saving
         self.calm_since = min(self.calm_since, t0) if calm else math.inf
-        self.track_runs(t1, slowest, judged=not (saving and w.saves_known))
+        self.track_runs(t1, slowest, judged=not saving)  # a save makes no steps to judge by, told of or not
         for closed in alloc.detector.tick(t1).windows:
             if closed.judged.judgement in (Judgement.HEALTHY, Judgement.SLOW):
                 self.window(closed.judged.window, closed.verdict)
@@ -659,18 +661,24 @@ class SlowSim:
     # ---- runs of HANDLE_SLOWDOWN (slow_handled) ----------------------------------------------------------
     def track_runs(self, t: float, slowest: tuple[str, float] | None, judged: bool) -> None:
         alloc, w = self.alloc, self.week
-        node = slowest[0] if slowest and 1 - slowest[1] >= HANDLE_SLOWDOWN else None
+        healthy, unloaded = alloc.base * self.load(t) / w.step_s, alloc.base / w.step_s
+        baseline = alloc.detector.pace.baseline
+        # What the node costs the job's pace: its speed against the baseline the detector judges by (a node
+        # at 70 % beside another at 86 % that the baseline already holds costs the job 18 %, not 30 %; a
+        # job-wide load is not the node's). No baseline yet: nothing is judged, no run.
+        held = unloaded / baseline if 0 < baseline < BASELINE_HOLDS_SLOW * unloaded else 1.0
+        cost = 1 - slowest[1] * held if slowest and baseline > 0 else 0.0
+        node = slowest[0] if slowest and cost >= HANDLE_SLOWDOWN else None
         for other in [n for n in alloc.runs if n != node]:
             self.run_ended(alloc.runs.pop(other))
         if node is None or slowest is None:
             return
         run = alloc.runs.get(node)
         if run is None:
-            healthy = alloc.base * self.load(t) / w.step_s
-            visible = alloc.detector.pace.baseline >= VISIBLE * healthy
-            run = alloc.runs[node] = Run(node, t - w.segment_s, 1 - slowest[1], visible)
+            visible = baseline >= VISIBLE * healthy
+            run = alloc.runs[node] = Run(node, t - w.segment_s, cost, visible)
             self.stats.invisible_runs += not visible
-        run.slowdown = min(run.slowdown, 1 - slowest[1])
+        run.slowdown = min(run.slowdown, cost)
         run.judged_s += w.segment_s if judged else 0.0
 
     def run_ended(self, run: Run) -> None:

@@ -5,8 +5,9 @@
   job-wide slowdown, a workload stripe or a misattributed window.
 - ``slow_handled``: a node that costs the job 30 % or more of its pace, without a break, from a time when
   the detector's baseline was the job's healthy pace (a node slow since the baseline was learned is the
-  job's own pace to it), is reported within :func:`~hpcelastic.sim.slow.report_bound_s` of the time the
-  pace judges (10 minutes for the detector's usual windows, saves it was told of not counted); with
+  job's own pace to it; a node at 70 % beside one at 86 % the baseline already holds costs it 18 %), is
+  reported within :func:`~hpcelastic.sim.slow.report_bound_s` of the time the pace judges (10 minutes for
+  the detector's usual windows; time in saves not counted, told of or not: a save makes no steps); with
   ``slow.action`` ``swap`` it is swapped out at the first checkpoint after its slowdown has cost a swap
   (:func:`~hpcelastic.sim.slow.swap_bound_s`), when a checked, fast spare is free and the swap clearly
   pays (twice its cost in the time left); with ``exclude`` or ``swap`` it is among the nodes excluded at
