@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from bench._results import machine_line, update_section  # noqa: E402
 from bench.slow_nodes import _cpu_s, _quota, _release  # noqa: E402
 from hpcelastic.rundir import RunDir  # noqa: E402
-from tests.slow_job import LOADER_SCRIPT, SLOW_AFTER_STEP, STEP_TIME, train_args  # noqa: E402
+from tests.slow_job import SLOW_AFTER_STEP, STEP_TIME, train_args  # noqa: E402
 from tests.testbed import own_instance  # noqa: E402
 
 SPEED = 0.5
@@ -140,7 +140,7 @@ def _local_job(
     run = tmp / "run"
     ckpt = run / "checkpoints"  # the run's checkpoint directory (``hpcelastic run``'s default)
     argv = [sys.executable, "-m", "hpcelastic", "run", "--run-dir", str(run), *flags]
-    argv += [*train_args(tmp, ckpt, STEPS, script=LOADER_SCRIPT), *extra]
+    argv += [*train_args(tmp, ckpt, STEPS), *extra]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), run, ckpt
 
 

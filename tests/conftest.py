@@ -134,24 +134,27 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 
 @pytest.fixture
 def cpu_quota() -> Iterator[callable]:
-    """Put a process in a new cgroup v1 CPU group with a quota; undone at the end."""
-    made: list[tuple[Path, int, Path]] = []
+    """Put a process (or several: one node's) in a new cgroup v1 CPU group with a quota of ``share`` CPUs
+    for them all; undone at the end."""
+    made: list[tuple[Path, Path]] = []
 
-    def limit(pid: int, share: float) -> None:
-        group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pid}"
+    def limit(pids: int | list[int], share: float) -> None:
+        pids = [pids] if isinstance(pids, int) else pids
+        group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pids[0]}"
         group.mkdir()
         own = next(
             line.split(":", 2)[2]
-            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            for line in Path(f"/proc/{pids[0]}/cgroup").read_text().splitlines()
             if line.split(":")[1].split(",").count("cpu")
         )
-        made.append((group, pid, CPU_CGROUP / own.lstrip("/")))
+        made.append((group, CPU_CGROUP / own.lstrip("/")))
         (group / "cpu.cfs_period_us").write_text("100000")
         (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
-        (group / "cgroup.procs").write_text(str(pid))
+        for pid in pids:
+            (group / "cgroup.procs").write_text(str(pid))
 
     yield limit
-    for group, _pid, home in made:
+    for group, home in made:
         for pid in (group / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):  # it exited
                 (home / "cgroup.procs").write_text(pid)

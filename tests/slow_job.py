@@ -2,7 +2,8 @@
 
 ``slow_train.py --steps N --step-time T`` pads each step to a steady pace with sleep (a rank slowed on the
 CPU shows beyond it), saves a ``torch.save`` checkpoint every ``--ckpt-every`` steps into ``--ckpt-dir``,
-resumes from the newest there, and writes its final parameters' SHA-256 to ``--out``.
+resumes from the newest there (and appends the step to ``out/pids/resumed``), and writes its final
+parameters' SHA-256 to ``--out``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import tempfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).parent / "faults" / "slow_train.py"
-#: The same training with ``--slow-input-*`` (a DataLoader) and ``--jitter``.
-LOADER_SCRIPT = Path(__file__).parent / "faults" / "loader_train.py"
 #: Steps padded to 0.2 s (the healthy pace stays the same on a loaded machine), a checkpoint every 20.
 STEP_TIME, CKPT_EVERY = 0.2, 20
 #: A slowed worker's share of one CPU: its compute takes about 30 times as long.
@@ -46,12 +45,21 @@ def train_args(
     ]
 
 
+def resumed_steps(out: Path) -> tuple[int, ...]:
+    """The steps the script resumed from, in order (``out/pids/resumed``, written by rank 0)."""
+    f = out / "pids" / "resumed"
+    return tuple(int(line) for line in f.read_text().split()) if f.exists() else ()
+
+
 @functools.cache
-def reference_digest(steps: int, ranks: int = 4) -> str:
-    """The fault-free model: the same script under plain torchrun, no padding."""
+def reference_digest(steps: int, ranks: int = 4, resumed: tuple[int, ...] = ()) -> str:
+    """The fault-free model: the same script under plain torchrun, no padding, stopped after each step of
+    ``resumed`` and resumed there (a restart's first step may reduce in another order: see the script)."""
     out = Path(tempfile.mkdtemp(prefix="hpcelastic-slow-reference-"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    subprocess.run(
-        [*argv, *train_args(out, out / "ckpt", steps, 0.0)], check=True, capture_output=True, timeout=600
-    )
+    for stop in (*resumed, steps):
+        subprocess.run(
+            [*argv, *train_args(out, out / "ckpt", stop, 0.0)], check=True, capture_output=True, timeout=600
+        )
+    assert resumed_steps(out) == resumed, (resumed_steps(out), resumed)
     return (out / "final.sha256").read_text()

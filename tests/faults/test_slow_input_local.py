@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slow_job import LOADER_SCRIPT, SLOW_AFTER_STEP, train_args
+from tests.slow_job import SLOW_AFTER_STEP, train_args
 from tests.slurm_utils import events, named
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ def test_a_rank_waiting_on_its_data_names_its_node_input(tmp_path: Path) -> None
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "2", "--nproc-per-node", "2"]
     argv += ["--run-dir", str(run), "--slow-action", "report"]
-    train = train_args(tmp_path, run / "checkpoints", 2000, script=LOADER_SCRIPT)
+    train = train_args(tmp_path, run / "checkpoints", 2000)
     train += ["--slow-input-rank", "2", "--slow-input-after", str(SLOW_AFTER_STEP), "--slow-input-s", "0.4"]
     proc = subprocess.Popen([*argv, *train], stdout=subprocess.DEVNULL)
     try:

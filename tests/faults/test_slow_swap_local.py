@@ -1,9 +1,9 @@
 """Slow-node detection must not act on noise, through the real CLI: ``hpcelastic run --nodes 2
 --spare-nodes 1`` with an unchanged, self-checkpointing DDP script (gloo, two workers a node), detection on
-(the default): every node loaded alike (the same CPU quota on every worker, the way the kernel throttles
-a node) and one rank's longer batches every third step name no node and swap nothing; the job ends with
-the fault-free model. (A slowed node named and replaced: the same script through ``hpcelastic submit``
-on the testbed, tests/slurm/test_slow_node_slurm.py.)
+(the default): a CPU hog on every node alike (each node's workers and its hog under one CPU quota: a
+node's own CPUs) and one rank's longer batches every third step name no node and swap nothing; the job
+ends with the fault-free model. (A slowed node named and replaced: the same script through ``hpcelastic
+submit`` on the testbed, tests/slurm/test_slow_node_slurm.py.)
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.slow_job import reference_digest, train_args
+from tests.slow_job import reference_digest, resumed_steps, train_args
 from tests.slurm_utils import events, named
 
 pytestmark = pytest.mark.slow
 
 #: Steps padded to 0.05 s (at least 80 s in all), the noise from step 600.
 NOISY_STEPS, NOISY_STEP_TIME, NOISE_AFTER_STEP = 1600, 0.05, 600
-#: Every worker's share of a CPU once the noise starts (the same on every node).
-LOADED_SHARE = 0.25
+#: Each node's CPUs (a quota on its workers and its hog) once the noise starts.
+NODE_SHARE = 0.5
 
 
 def _start(
@@ -49,26 +49,32 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> None
 
 
 def test_a_load_on_every_node_and_a_workload_stripe_name_no_node(tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
-    """Noise a detector must not act on: from step 600 every worker runs under the same CPU quota (every
-    node alike: the job runs below its pace), and every third step rank 1 gets 40 batches more (a stripe the
-    workload makes). Steps padded to 0.05 s only, so that both show in the pace.
+    """Noise a detector must not act on: from step 600 a CPU hog on every node alike (the job runs below
+    its pace), and every third step rank 1 gets 40 batches more (a stripe the workload makes). Steps padded
+    to 0.05 s only, so that both show in the pace.
 
-    (Six CPU hogs on the whole machine were not "every node alike": on some kernels the scheduler kept one
-    node's workers behind the other's for minutes, and that node was rightly named.)"""
+    Every node's two workers and its hog share one CPU quota, the node's CPUs: six hogs on the whole
+    machine were not "every node alike" (the emulated nodes share its CPUs; on some kernels the scheduler
+    kept one node's workers behind the other's for minutes, and that node was rightly named)."""
     stripe = ("--stripe-every", "3", "--stripe-rank", "1", "--stripe-batches", "40")
     flags = ("--spare-nodes", "1", "--slow-action", "swap")
     proc, run = _start(tmp_path, *flags, steps=NOISY_STEPS, extra=stripe, step_time=NOISY_STEP_TIME)
+    hogs: list[subprocess.Popen[bytes]] = []
     try:
         _wait_for(run / "checkpoints" / f"ckpt-{NOISE_AFTER_STEP:06d}.pt", proc, 300)
-        for rank in range(4):
-            cpu_quota(int((tmp_path / "pids" / f"rank-{rank}").read_text()), LOADED_SHARE)
+        for node in range(2):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            workers = [int((tmp_path / "pids" / f"rank-{r}").read_text()) for r in (2 * node, 2 * node + 1)]
+            cpu_quota([*workers, hogs[-1].pid], NODE_SHARE)
         assert proc.wait(timeout=900) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in [proc, *hogs]:
+            if p.poll() is None:
+                p.kill()
     evs = events(run)
     assert not named(evs, "node_slow"), named(evs, "node_slow")
     assert len(named(evs, "rendezvous")) == 1  # nothing swapped
-    assert named(evs, "job_slow"), "the quota did not take the job below its pace: the test tests nothing"
+    assert named(evs, "job_slow"), "the hogs did not take the job below its pace: the test tests nothing"
     assert all(not e.get("bad_nodes") for e in named(evs, "attempt_ended")), named(evs, "attempt_ended")
+    assert resumed_steps(tmp_path) == ()  # never restarted
     assert (tmp_path / "final.sha256").read_text() == reference_digest(NOISY_STEPS)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
-from tests.slow_job import QUOTA, SLOW_AFTER_STEP, reference_digest, train_args
+from tests.slow_job import QUOTA, SLOW_AFTER_STEP, reference_digest, resumed_steps, train_args
 from tests.slurm_utils import events, named, status_json, submit_argv
 from tests.testbed import Testbed, own_instance
 
@@ -94,5 +94,7 @@ def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: 
     assert rounds[-1]["hosts"] == [rounds[0]["hosts"][0], swaps[0]["spare"]], rounds
     ended = named(evs, "attempt_ended")
     assert slow_node in ended[-1]["bad_nodes"], ended  # a requeue would exclude it
-    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS)
+    resumed = resumed_steps(tmp_path)
+    assert len(resumed) == 1 and resumed[0] >= SLOW_AFTER_STEP, resumed  # the swap's restart
+    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS, resumed=resumed)
     assert status_json(str(run))["ledger"]["badput_by_cause"].get("slow", 0) > 10
