@@ -30,6 +30,9 @@ from hpcelastic.parse import (
 from hpcelastic.resources import data_dir
 
 USER_CONFIG_ENV = "XDG_CONFIG_HOME"
+#: Directories of site files searched before the user's, the system's and the packaged ones (``:``-separated).
+SITE_DIR_ENV = "HPCELASTIC_SITE_DIR"
+SYSTEM_SITES_DIR = Path("/etc/hpcelastic/sites")
 SITE_SUFFIX = ".yaml"
 
 Validator = Callable[[Any], str | None]
@@ -548,40 +551,81 @@ def load_yaml(path: Path) -> Any:
 
 
 def sites_dir() -> Path:
-    """The directory of the site configs shipped with hpcelastic."""
+    """The directory of the site configs shipped with hpcelastic (examples; the last place searched)."""
     return data_dir("site_configs")
 
 
+@dataclass(frozen=True)
+class SiteDir:
+    """A directory ``--site NAME`` is looked for in, and what it is."""
+
+    path: Path
+    origin: str  # "$HPCELASTIC_SITE_DIR", "user", "system" or "packaged"
+
+
+def site_dirs() -> list[SiteDir]:
+    """Where ``--site NAME`` is looked for, the first match winning: each directory of
+    ``$HPCELASTIC_SITE_DIR`` (``:``-separated), the user's (``$XDG_CONFIG_HOME/hpcelastic/sites``), the
+    system's (``/etc/hpcelastic/sites``), then the examples shipped with hpcelastic."""
+    dirs = [
+        SiteDir(Path(d).expanduser(), f"${SITE_DIR_ENV}")
+        for d in os.environ.get(SITE_DIR_ENV, "").split(":")
+        if d
+    ]
+    dirs.append(SiteDir(user_config_path().parent / "sites", "user"))
+    dirs.append(SiteDir(SYSTEM_SITES_DIR, "system"))
+    dirs.append(SiteDir(sites_dir(), "packaged"))
+    return dirs
+
+
+def site_files() -> dict[str, tuple[Path, str]]:
+    """Every site name found, with its file and origin (the first directory of :func:`site_dirs` that has
+    it), sorted by name."""
+    found: dict[str, tuple[Path, str]] = {}
+    for d in site_dirs():
+        if d.path.is_dir():
+            for f in sorted(d.path.glob(f"*{SITE_SUFFIX}")):
+                found.setdefault(f.name.removesuffix(SITE_SUFFIX), (f, d.origin))
+    return dict(sorted(found.items()))
+
+
 def site_names() -> list[str]:
-    """Names of the shipped sites, sorted."""
-    return sorted(p.name.removesuffix(SITE_SUFFIX) for p in sites_dir().glob(f"*{SITE_SUFFIX}"))
+    """Names of the sites found (:func:`site_dirs`), sorted."""
+    return list(site_files())
+
+
+def is_site_file(name: str) -> bool:
+    """``name`` is a path to a site file, not a name."""
+    return name.endswith((".yaml", ".yml")) or os.sep in name
 
 
 def site_path(name: str) -> Path:
-    """The file of site ``name`` (a shipped name, or a path to a YAML file)."""
-    if name.endswith((".yaml", ".yml")) or os.sep in name:
+    """The file of site ``name`` (a name found in :func:`site_dirs`, or a path to a YAML file)."""
+    if is_site_file(name):
         path = Path(name).expanduser()
         if not path.is_file():
             raise UserError(f"site file {path} does not exist")
         return path
-    path = sites_dir() / f"{name}{SITE_SUFFIX}"
-    if not path.is_file():
-        names = site_names()
-        hint = difflib.get_close_matches(name, names, n=1)
-        fix = f"did you mean {hint[0]!r}?" if hint else f"known sites: {', '.join(names)}"
-        raise UserError(f"unknown site {name!r}; {fix} (see `hpcelastic sites list`)")
-    return path
+    files = site_files()
+    if name not in files:
+        hint = difflib.get_close_matches(name, list(files), n=1)
+        fix = f"did you mean {hint[0]!r}?" if hint else f"known sites: {', '.join(files)}"
+        searched = ", ".join(str(d.path) for d in site_dirs())
+        raise UserError(
+            f"unknown site {name!r}; {fix} (looked in {searched}; a path to a YAML file works too)"
+        )
+    return files[name][0]
 
 
 def detect_site(cluster: str | None) -> str:
     """The site for Slurm cluster ``cluster``: the file named after it, one listing it, else ``default``."""
     if not cluster:
         return "default"
-    names = site_names()
-    if cluster in names:
+    files = site_files()
+    if cluster in files:
         return cluster
-    for name in names:
-        tree = load_yaml(sites_dir() / f"{name}{SITE_SUFFIX}") or {}
+    for name, (path, _origin) in files.items():
+        tree = load_yaml(path) or {}
         if isinstance(tree, Mapping) and cluster in (tree.get("cluster_names") or []):
             return name
     return "default"
@@ -628,7 +672,7 @@ def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
 
 def _site_layers(site: str) -> tuple[str, list[dict[str, Any]], list[str]]:
     path = site_path(site)
-    name = path.name.removesuffix(SITE_SUFFIX) if path.parent == sites_dir() else str(path)
+    name = str(path) if is_site_file(site) else site
     return name, [flatten(defaults()), validate(load_yaml(path), str(path))], ["built-in defaults", str(path)]
 
 

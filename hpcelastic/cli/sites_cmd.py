@@ -13,37 +13,55 @@ from hpcelastic.errors import EXIT_USAGE
 
 @click.group(short_help="List, show and validate site configurations.")
 def sites() -> None:
-    """List, show and validate site configurations (site_configs/*.yaml)."""
+    """List, show and validate site configurations.
+
+    \b
+    --site NAME is looked for, the first match winning, in:
+      each directory of $HPCELASTIC_SITE_DIR (colon-separated)
+      $XDG_CONFIG_HOME/hpcelastic/sites (~/.config/hpcelastic/sites)
+      /etc/hpcelastic/sites
+      the examples shipped with hpcelastic (site_configs/)
+    A path to a YAML file works wherever a name does."""
 
 
 @sites.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def list_sites(as_json: bool) -> None:
-    """List the shipped sites and which one this host would use."""
+    """List the sites found, where each comes from, and which one this host would use."""
     from hpcelastic import sites as s
     from hpcelastic.jobs.slurm import cluster_name
 
     cluster = cluster_name()
     detected = s.detect_site(cluster)
     rows = []
-    for name in s.site_names():
+    for name, (path, origin) in s.site_files().items():
         cfg = s.site_config(name)
-        rows.append({"name": name, "description": cfg.get("description") or "", "detected": name == detected})
+        rows.append(
+            {
+                "name": name,
+                "description": cfg.get("description") or "",
+                "detected": name == detected,
+                "from": origin,
+                "path": str(path),
+            }
+        )
     if as_json:
         click.echo(json.dumps({"cluster_name": cluster, "detected": detected, "sites": rows}))
         return
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         mark = "*" if r["detected"] else " "
-        click.echo(f"{mark} {r['name']:<{width}}  {r['description']}")
+        origin = "" if r["from"] == "packaged" else f"  [{r['from']}: {r['path']}]"
+        click.echo(f"{mark} {r['name']:<{width}}  {r['description']}{origin}")
     click.echo(f"(* = used on this host; Slurm ClusterName: {cluster or 'not found'}; override with --site)")
+    click.echo("(where sites are looked for: hpcelastic sites --help)")
 
 
 @sites.command("show")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Print the merged configuration as JSON.")
 def show(name: str, as_json: bool) -> None:
-    """Show site NAME (a shipped name or a YAML file) merged over the built-in defaults."""
+    """Show site NAME (a name found by `sites list`, or a YAML file) merged over the built-in defaults."""
     from hpcelastic import sites as s
 
     cfg = s.site_config(name)

@@ -120,6 +120,55 @@ def test_unknown_site_suggests_a_name() -> None:
         sites.resolve("testbd")
 
 
+def test_a_site_is_found_in_the_site_dir_then_the_user_then_the_system_then_the_examples(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    system, env_a, env_b = isolated / "etc", isolated / "env-a", isolated / "env-b"
+    monkeypatch.setattr(sites, "SYSTEM_SITES_DIR", system)
+    user = isolated / "xdg" / "hpcelastic" / "sites"
+    write(system / "lab.yaml", "description: from the system\npartition: sys\n")
+    assert sites.site_config("lab").get("partition") == "sys"
+    write(user / "lab.yaml", "description: from the user\npartition: usr\n")
+    write(user / "testbed.yaml", "description: my testbed\npartition: mine\n")  # before the example's
+    assert sites.site_config("lab").get("partition") == "usr"
+    assert sites.resolve("testbed").get("partition") == "mine"
+    write(env_b / "lab.yaml", "partition: envb\n")
+    monkeypatch.setenv("HPCELASTIC_SITE_DIR", f"{env_a}:{env_b}")  # env_a does not exist: skipped
+    resolved = sites.resolve("lab")
+    assert resolved.get("partition") == "envb" and resolved.site == "lab"
+    assert resolved.sources == ["built-in defaults", str(env_b / "lab.yaml")]
+    files = sites.site_files()
+    assert files["lab"] == (env_b / "lab.yaml", "$HPCELASTIC_SITE_DIR")
+    assert files["testbed"] == (user / "testbed.yaml", "user") and files["perlmutter"][1] == "packaged"
+    write(isolated / "slurm.conf", "ClusterName=lab\n")
+    assert sites.resolve().site == "lab"  # detected from ClusterName in any of the directories
+
+
+def test_sites_list_says_where_each_site_comes_from(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(isolated / "mine" / "lab.yaml", "description: our lab\n")
+    monkeypatch.setenv("HPCELASTIC_SITE_DIR", str(isolated / "mine"))
+    result = CliRunner().invoke(cli, ["sites", "list"])
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if " lab " in x)
+    assert f"our lab  [$HPCELASTIC_SITE_DIR: {isolated / 'mine' / 'lab.yaml'}]" in line
+    rows = json.loads(CliRunner().invoke(cli, ["sites", "list", "--json"]).output)["sites"]
+    assert {r["name"]: r["from"] for r in rows}["lab"] == "$HPCELASTIC_SITE_DIR"
+    assert {r["name"]: r["from"] for r in rows}["default"] == "packaged"
+
+
+def test_an_unknown_site_names_the_directories_searched_and_that_a_path_works(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HPCELASTIC_SITE_DIR", str(isolated / "mine"))
+    with pytest.raises(UserError) as err:
+        sites.resolve("nowhere")
+    text = str(err.value)
+    assert "\n" not in text and str(isolated / "mine") in text and "/etc/hpcelastic/sites" in text
+    assert "a path to a YAML file works too" in text
+    path = write(isolated / "somewhere" / "x.yaml", "partition: p\n")
+    assert sites.resolve(str(path)).get("partition") == "p"
+
+
 @pytest.mark.parametrize(
     ("text", "seconds"),
     [("30", 1800), ("30:15", 1815), ("2:00:00", 7200), ("1-2", 93600), ("1-2:30", 95400), ("1-0:0:5", 86405)],
