@@ -661,6 +661,8 @@ class SlowSim:
     # ---- runs of HANDLE_SLOWDOWN (slow_handled) ----------------------------------------------------------
     def track_runs(self, t: float, slowest: tuple[str, float] | None, judged: bool) -> None:
         alloc, w = self.alloc, self.week
+        if not alloc.runs and (slowest is None or 1 - slowest[1] < HANDLE_SLOWDOWN):
+            return  # no run to end, none can start (held below only lowers a cost): the baseline is not read
         healthy, unloaded = alloc.base * self.load(t) / w.step_s, alloc.base / w.step_s
         baseline = alloc.detector.pace.baseline
         # What the node costs the job's pace: its speed against the baseline the detector judges by (a node
