@@ -913,14 +913,14 @@ class JobState:
         self.startup_failure = signature
         if previous is None and self._every_rank_failed_alike(signature):
             return (
-                f"every rank of round {self.round} failed the same way before any step (the script's own "
-                "error, not a node's); not restarting: fix the script"
+                f"every rank of round {self.round} failed the same way before any step was seen (the "
+                "script's own error, not a node's); not restarting: fix the script"
             )
         if previous is None or previous != signature:
             return None
         return (
             f"round {self.round} failed at start-up exactly like round {self.round - 1} (same error, no step "
-            "reached); not restarting again: fix the script"
+            "seen); not restarting again: fix the script"
         )
 
     def _every_rank_failed_alike(self, signature: str) -> bool:
