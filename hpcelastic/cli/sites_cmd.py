@@ -1,4 +1,4 @@
-"""``hpcelastic sites list | show NAME [--json] | validate FILE``."""
+"""``hpcelastic sites list | show NAME [--json] | validate FILE | check [SITE] [--probe] [--json]``."""
 
 from __future__ import annotations
 
@@ -95,3 +95,73 @@ def validate(file: Path) -> None:
             click.echo(f"{file}: {len(found)} problems; fix them and run again", err=True)
         sys.exit(EXIT_USAGE)
     click.echo(f"{file}: OK ({len(flat)} key{'s' if len(flat) != 1 else ''} set)")
+
+
+@sites.command("check")
+@click.argument("site", required=False)
+@click.option("--probe", is_flag=True, help="Also run a short job step on two nodes (see below).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def check(site: str | None, probe: bool, as_json: bool) -> None:
+    """Check SITE (a name or a YAML file; default: the one submit would use here) against the live cluster.
+
+    \b
+    Asks Slurm (scontrol show config/partition/node, sbatch --version, and sacctmgr
+    where an accounting database answers) about every key the site sets and every
+    assumption hpcelastic makes: partition, account, QOS, constraint, time limit,
+    GPUs and how they are requested, the signal's lead and the grace period against
+    preemption's GraceTime and mode, Slurm's timeouts and release.
+    With --probe, one job step on two nodes of the partition checks what only the
+    nodes can tell: the run root is shared, the rendezvous interface exists and the
+    nodes reach each other on it, the fixed port is free, the Python the nodes run
+    imports hpcelastic and torch, the checkpoint tier's directory and size, the
+    container runtime, NVML where GPUs are expected.
+
+    \b
+    Each finding is one line with the key to change.
+    Exit codes: 0 nothing to change, 1 findings, 2 bad input or Slurm did not answer.
+    """
+    from hpcelastic import sites as s
+    from hpcelastic.errors import SlurmError, UserError
+    from hpcelastic.sitecheck import facts as site_facts
+    from hpcelastic.sitecheck import probe as site_probe
+    from hpcelastic.sitecheck.rules import check as run_rules
+
+    resolved = s.resolve(site)
+    try:
+        facts = site_facts.gather()
+    except SlurmError as e:
+        raise UserError(f"cannot check site {resolved.site}: Slurm did not answer ({e})") from None
+    report = run_rules(resolved.values, facts)
+    partition = resolved.get("partition") or facts.default_partition()
+    if probe and partition in facts.partitions:
+        nodes = min(2, len(facts.nodes_of(partition))) or 1
+        if not as_json:
+            click.echo(f"probing {nodes} node(s) of partition {partition} (up to a few minutes)...", err=True)
+        reports, error = site_probe.run(resolved.values, partition, nodes)
+        site_probe.judge(reports, nodes, resolved.values, error, report)
+    elif probe:
+        report.notes.append("no probe: the partition does not exist")
+    release = f"{facts.release[0]}.{facts.release[1]:02d}" if facts.release else "unknown"
+    if as_json:
+        findings = [{"key": f.key, "severity": str(f.severity), "text": f.text} for f in report.findings]
+        out = {
+            "site": resolved.site,
+            "sources": resolved.sources,
+            "slurm": release,
+            "partition": partition,
+            "probe": probe,
+            "findings": findings,
+            "notes": report.notes,
+        }
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"site {resolved.site} ({' < '.join(resolved.sources)}) against Slurm {release}")
+        for f in report.findings:
+            click.echo(f.line())
+        for note in report.notes:
+            click.echo(f"note: {note}")
+        if report.findings:
+            click.echo(f"{len(report.findings)} finding(s): change the keys named above and run this again")
+        else:
+            click.echo("nothing to change" + ("" if probe else "; --probe also checks the nodes"))
+    sys.exit(1 if report.findings else 0)

@@ -190,6 +190,33 @@ def parse_rows(text: str, columns: int) -> list[list[str]]:
     return [row for row in rows if len(row) == columns]
 
 
+def parse_config(text: str) -> dict[str, str]:
+    """Every ``Key = Value`` line of ``scontrol show config`` (the header and blank lines left out)."""
+    found = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if sep and name.strip() and " " not in name.strip():
+            found[name.strip()] = value.strip()
+    return found
+
+
+def seconds_of(value: str | None) -> int | None:
+    """``60 sec`` / ``60`` (``scontrol show config``'s timeouts, a partition's ``GraceTime``) in seconds."""
+    m = re.fullmatch(r"\s*(\d+)(?:\s*sec)?\s*", value or "")
+    return int(m.group(1)) if m else None
+
+
+def gpu_count(gres: str | None) -> int:
+    """The GPUs in a node's ``Gres`` (``gpu:4``, ``gpu:a100:4(S:0-1)``, ``gpu:a:2,gpu:b:2``; ``(null)``)."""
+    total = 0
+    for item in (gres or "").split(","):
+        item = item.split("(", 1)[0]
+        parts = item.split(":")
+        if parts[0] == "gpu" and len(parts) >= 2 and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
 def config_values(text: str, keys: Iterable[str]) -> dict[str, str]:
     """The values of ``keys`` in ``scontrol show config`` output (``SlurmdTimeout = 60 sec``)."""
     wanted = set(keys)

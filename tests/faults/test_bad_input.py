@@ -342,6 +342,14 @@ CASES: list[Case] = [
     Case("sites-show-unknown", ("sites", "show", "nope"), "unknown site 'nope'"),
     Case("sites-show-newline", ("sites", "show", "a\nb"), "unknown site 'a\\nb'"),
     Case("sites-validate-missing", ("sites", "validate", "missing.yaml"), "missing.yaml does not exist"),
+    Case("sites-check-unknown", ("sites", "check", "nope"), "unknown site 'nope'"),
+    Case("sites-check-missing", ("sites", "check", "missing.yaml"), "site file missing.yaml does not exist"),
+    Case(
+        "sites-check-bad-key",
+        ("sites", "check", "typo.yaml", "--probe"),
+        "partiton: unknown key; did you mean 'partition'?",
+        files={"typo.yaml": "partiton: gpu\n"},
+    ),
     Case(
         "sites-validate-container-without-image",
         ("sites", "validate", "container-runtime.yaml"),

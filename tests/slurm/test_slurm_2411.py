@@ -278,3 +278,33 @@ def test_preemption_with_and_without_grace_and_the_time_limit(
     assert digest(tmp_path, "limited") == reference_digest(steps)
     for r in (run, limited_run):
         assert not wait_no_leaks(str(r))
+
+
+def test_sites_check_finds_what_the_testbed_site_gets_wrong_here_and_passes_it_fixed(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """``hpcelastic sites check`` on 24.11: the testbed site asks for 4 GPUs a node (these nodes have 2) and
+    gives workers 20 s to checkpoint where the partition kills a preempted job 30 s after the signal (less
+    the requeue's margin); both found, one line each. Fixed, it passes, with the probe on two nodes."""
+    argv = [sys.executable, "-m", "hpcelastic", "sites", "check", "--json"]
+    proc = subprocess.run([*argv, "testbed"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = json.loads(proc.stdout)
+    assert (proc.returncode, out["slurm"]) == (1, "24.11"), (proc.stderr, out)
+    texts = {f["key"]: f["text"] for f in out["findings"]}
+    assert set(texts) == {"max_gpus_per_node", "requeue.grace_period"}, out
+    assert (
+        "at most 2" in texts["max_gpus_per_node"] and "30 s after the signal" in texts["requeue.grace_period"]
+    )
+    fixed = tmp_path / "next.yaml"
+    text = (REPO / "site_configs" / "testbed.yaml").read_text()
+    fixed.write_text(
+        text.replace("max_gpus_per_node: 4", "max_gpus_per_node: 2").replace(
+            "grace_period: 20", "grace_period: 10"
+        )
+    )
+    proc = subprocess.run(
+        [*argv, str(fixed), "--probe"], capture_output=True, text=True, timeout=400, cwd=tmp_path
+    )
+    out = json.loads(proc.stdout)
+    assert (proc.returncode, out["findings"]) == (0, []), (proc.stderr, out)
+    assert any(n.startswith(f"probe on {NAME}") for n in out["notes"]), out
