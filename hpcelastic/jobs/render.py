@@ -25,6 +25,8 @@ from hpcelastic.jobs.spec import JobSpec
 from hpcelastic.parse import is_env_name
 from hpcelastic.resources import data_dir
 
+#: The shipped partial with the site's modules, setup lines and environment (default.sbatch.j2 includes it).
+SITE_SETUP_TEMPLATE = "site_setup.sh.j2"
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:@%/+=-]+")
 #: ``--cpus-per-task``: srun (Slurm 22.05 and later) does not inherit sbatch's, and a site with
 #: task/affinity or task/cgroup may then bind each agent, and all its workers, to one CPU. The batch
@@ -213,21 +215,30 @@ def agent_line(argv: Sequence[str], srun_options: Sequence[str] = (), wrapper: S
     return " \\\n  ".join([first, *([_join(wrapper)] if wrapper else []), *(_join(g) for g in groups)])
 
 
-def _environment(template: str):  # -> jinja2.Environment, imported lazily
-    import jinja2
-
+def _environment(template: str):  # -> (jinja2.Environment, the template's name)
     path = Path(template).expanduser()
     if path.is_file():
         folder, name = path.parent, path.name
     else:
         folder, name = data_dir("sbatch_templates"), template
         if not (folder / name).is_file():
-            known = ", ".join(sorted(p.name for p in folder.glob("*.j2")))
+            known = ", ".join(sorted(p.name for p in folder.glob("*.sbatch.j2")))
             raise UserError(
                 f"template {template!r} not found (shipped templates: {known}; or give a file path)"
             )
+    return _jinja(folder), name
+
+
+def _jinja(folder: Path):  # -> jinja2.Environment, imported lazily
+    """Templates from ``folder``, then the shipped ones (a site's own template may include the shipped
+    ``site_setup.sh.j2``)."""
+    import jinja2
+
+    shipped = data_dir("sbatch_templates")
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(folder)),
+        loader=jinja2.ChoiceLoader(
+            [jinja2.FileSystemLoader(str(folder)), jinja2.FileSystemLoader(str(shipped))]
+        ),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
@@ -237,7 +248,16 @@ def _environment(template: str):  # -> jinja2.Environment, imported lazily
     env.filters["q"] = shlex.quote
     env.filters["sbatch_quote"] = sbatch_quote
     env.filters["comment"] = comment_text
-    return env, name
+    return env
+
+
+def site_setup(
+    site: str, modules: Sequence[str], setup: Sequence[str], env: Sequence[tuple[str, str]]
+) -> str:
+    """The shell lines that load the site's modules, run its setup lines and export its environment: the
+    batch script's (``default.sbatch.j2`` includes them) and ``sites check --probe``'s."""
+    template = _jinja(data_dir("sbatch_templates")).get_template(SITE_SETUP_TEMPLATE)
+    return template.render(site=site, modules=modules, setup=setup, env=env)
 
 
 def render(spec: JobSpec) -> JobRequest:

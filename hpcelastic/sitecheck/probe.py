@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import hpcelastic
+from hpcelastic.jobs.render import site_setup
 from hpcelastic.sitecheck.rules import Report
 from hpcelastic.tier.settings import TierSettings
 
@@ -59,11 +60,10 @@ def srun_argv(
         if value:
             argv.append(f"--{option}={value}")
     python = values.get("python") or sys.executable
-    lines = [f"module load {shlex.quote(m)}" for m in values.get("modules") or []]
-    lines += list(values.get("setup") or [])
-    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in (values.get("env") or {}).items()]
-    lines.append(f"exec {shlex.quote(python)} -m hpcelastic.sitecheck.node {shlex.quote(json.dumps(spec))}")
-    return [*argv, "bash", "-c", "\n".join(lines)]
+    env = [(k, str(v)) for k, v in (values.get("env") or {}).items()]
+    setup = site_setup("sites check --probe", values.get("modules") or [], values.get("setup") or [], env)
+    node = f"exec {shlex.quote(python)} -m hpcelastic.sitecheck.node {shlex.quote(json.dumps(spec))}\n"
+    return [*argv, "bash", "-c", setup + node]
 
 
 def run(values: Mapping[str, Any], partition: str | None, nodes: int) -> tuple[list[dict[str, Any]], str]:

@@ -229,6 +229,6 @@ def test_the_probe_runs_the_nodes_as_the_batch_script_does() -> None:
         "--immediate=120",
     ]
     assert "--partition=gpu" in argv and "--account=proj1" in argv
-    script = argv[-1].splitlines()
+    script = [line for line in argv[-1].splitlines() if line and not line.startswith("#")]
     assert script[:3] == ["module load pytorch/2.3", "source /opt/env.sh", "export NCCL_X='a b'"]
     assert script[3].startswith(f"exec {sys.executable} -m hpcelastic.sitecheck.node ")
