@@ -132,15 +132,15 @@ def check(site: str | None, probe: bool, as_json: bool) -> None:
     except SlurmError as e:
         raise UserError(f"cannot check site {resolved.site}: Slurm did not answer ({e})") from None
     report = run_rules(resolved.values, facts)
-    partition = resolved.get("partition") or facts.default_partition()
-    if probe and partition in facts.partitions:
+    partition = report.partition
+    if probe and partition is not None:
         nodes = min(2, len(facts.nodes_of(partition))) or 1
         if not as_json:
             click.echo(f"probing {nodes} node(s) of partition {partition} (up to a few minutes)...", err=True)
         reports, error = site_probe.run(resolved.values, partition, nodes)
         site_probe.judge(reports, nodes, resolved.values, error, report)
     elif probe:
-        report.notes.append("no probe: the partition does not exist")
+        report.notes.append("no probe: no partition to run it in")
     release = f"{facts.release[0]}.{facts.release[1]:02d}" if facts.release else "unknown"
     if as_json:
         findings = [{"key": f.key, "severity": str(f.severity), "text": f.text} for f in report.findings]

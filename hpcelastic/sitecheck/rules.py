@@ -48,6 +48,7 @@ class Finding:
 class Report:
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    partition: str | None = None  # where jobs go: the site's, else the cluster's default (None: neither)
 
     def problem(self, key: str, text: str) -> None:
         self.findings.append(Finding(key, Severity.PROBLEM, text))
@@ -59,7 +60,7 @@ class Report:
 def check(values: Mapping[str, Any], facts: ClusterFacts) -> Report:
     """Every rule below over the site's merged ``values`` (flat dotted keys)."""
     report = Report()
-    partition = _partition(values, facts, report)
+    partition = report.partition = _partition(values, facts, report)
     nodes = facts.nodes_of(partition)
     _accounting(values, facts, report)
     _constraint_and_exclude(values, facts, nodes, report)
