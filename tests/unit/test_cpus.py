@@ -107,7 +107,9 @@ def run_workers(
             group.start(ROUND)
             assert group.spawn == ("cold" if server is None else "warm"), group.spawn_reason
             deadline = time.monotonic() + 30
-            while len(list(out.glob("rank-*"))) < nproc:
+            # A report is read once it is whole: the file exists a moment before its JSON is written,
+            # and stopping the group then left it empty (official CI, warm case).
+            while (reports := _whole_reports(out, nproc)) is None:
                 assert time.monotonic() < deadline, "the workers did not report"
                 time.sleep(0.05)
             group.stop(1.0)
@@ -116,7 +118,15 @@ def run_workers(
             server.close()
         watchdog.close()
         os.close(devnull)
-    return group, [json.loads((out / f"rank-{i}").read_text()) for i in range(nproc)]
+    return group, reports
+
+
+def _whole_reports(out: Path, nproc: int) -> list[dict] | None:
+    """Each rank's report from ``out``, or None while one is missing or not yet completely written."""
+    try:
+        return [json.loads((out / f"rank-{i}").read_text()) for i in range(nproc)]
+    except (OSError, ValueError):
+        return None
 
 
 @pytest.mark.parametrize("preload", [None, ("json",)], ids=["cold", "warm"])
