@@ -499,8 +499,8 @@ def progress(*, attempt: int, round: int, step: int, step_ts: float, mark: Progr
     heartbeat reached the node's agent (a local datagram: the worker's time within milliseconds);
     ``ranks``: how many ranks have reported a step in this round. ``first``
     as soon as the round's first heartbeat arrives, ``periodic`` at most once per
-    :data:`PROGRESS_INTERVAL_S`, ``last`` when the round stops (failure, preemption or the end), if
-    a step was reported since the previous mark.
+    :data:`PROGRESS_INTERVAL_S`, ``last`` once when the round stops (failure, preemption or the end),
+    if it saw a step (also when a periodic mark already named that step).
     """
     return _event(PROGRESS, attempt=attempt, round=round, step=step, step_ts=step_ts, mark=mark, ranks=ranks)
 

@@ -550,7 +550,7 @@ class JobState:
         self.stepped = True
         if st.step is not None and step <= st.step:
             return []
-        st.step, st.ts, st.unmarked = step, ts, True
+        st.step, st.ts = step, ts
         now = self._now()
         if st.marked_at is None:
             st.first = (step, ts)
@@ -570,7 +570,7 @@ class JobState:
     def _progress_mark(self, mark: events.ProgressMark) -> Record:
         st = self.steps
         assert st.step is not None
-        st.marked_at, st.unmarked = self._now(), False
+        st.marked_at = self._now()
         ranks = sum(st.ranks.values())
         return Record(
             events.progress(
@@ -579,8 +579,14 @@ class JobState:
         )
 
     def _last_progress(self) -> list[Action]:
-        """The round stops: its last step, if one arrived since the previous mark."""
-        return [self._progress_mark(events.ProgressMark.LAST)] if self.steps.unmarked else []
+        """The round stops: its last step, once, whenever it saw a step. Also when a periodic mark already
+        named that step: the ``last`` mark is what tells the ledger the round stopped (its ``shutdown``), and
+        a final step that happened to fall on a periodic mark left it out (official CI, a loaded machine)."""
+        st = self.steps
+        if st.step is None or st.last_written:
+            return []
+        st.last_written = True
+        return [self._progress_mark(events.ProgressMark.LAST)]
 
     def tick(self) -> list[Action]:
         """Time-driven decisions: rendezvous timeout, agents that never finish stopping, the stop step."""
@@ -986,6 +992,7 @@ class _RoundSteps:
     ts: float = 0.0
     ranks: dict[int, int] = field(default_factory=dict)
     marked_at: float | None = None
-    unmarked: bool = False
+    #: The round's ``last`` mark is written (it stopped).
+    last_written: bool = False
     #: The round's first reported (step, time): its step rate is counted from there.
     first: tuple[int, float] | None = None

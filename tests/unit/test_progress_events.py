@@ -78,7 +78,7 @@ def test_coordinator_writes_first_periodic_and_last_marks() -> None:
     assert (again["mark"], again["round"], again["step"]) == ("first", 1, 31)
 
 
-def test_last_mark_when_the_job_succeeds_and_none_without_new_steps() -> None:
+def test_last_mark_when_the_job_succeeds_also_without_new_steps() -> None:
     st = make(2)
     join_all(st)
     st.progress(0, 0, 1, 1000.0, 2)
@@ -91,7 +91,10 @@ def test_last_mark_when_the_job_succeeds_and_none_without_new_steps() -> None:
     join_all(quiet)
     quiet.progress(0, 0, 1, 1000.0, 2)
     quiet.workers_done(0, 0)
-    assert marks(quiet.workers_done(1, 0)) == []  # the first mark already says step 1
+    # The first mark already says step 1; the last still says the round stopped there, once.
+    [stopped] = marks(quiet.workers_done(1, 0))
+    assert (stopped["mark"], stopped["step"]) == ("last", 1)
+    assert marks(quiet.workers_done(1, 0)) == [] and marks(quiet.workers_done(0, 0)) == []
 
 
 def test_a_rank_with_heartbeats_that_writes_a_checkpoint_is_no_hang() -> None:
