@@ -92,8 +92,18 @@ def test_network_when_no_rank_is_late_but_one_nodes_round_trip_rose() -> None:
 def test_network_when_the_slow_links_node_arrives_late_because_results_reach_it_last() -> None:
     run = simulate(comm=0.04, link_lag={"n1": 0.03})
     assert verdict(run).kind is SlowKind.COMPUTE  # arrivals alone cannot tell
-    v = verdict(run, rtt={"n0": 0.0004, "n1": 0.005})
+    v = verdict(run, rtt={"n0": 0.0004, "n1": 0.0304})  # the results' 30 ms lag is on its link
     assert (v.kind, v.node) == (SlowKind.NETWORK, "n1")
+
+
+def test_a_late_node_whose_round_trip_jitters_by_milliseconds_is_slow_at_computing() -> None:
+    """A node slowed on the CPU is late by far more than its round trip rose (a loaded machine's kernel
+    round trip jitters by milliseconds): the rise does not explain the lateness, so not ``network``."""
+    run = simulate(speed=slowed({2, 3}, 0.4))
+    late = verdict(run)
+    assert (late.kind, late.node) == (SlowKind.COMPUTE, "n1")
+    v = verdict(run, rtt={"n0": 0.0004, "n1": 0.004}, baseline_rtt={"n0": 0.0004, "n1": 0.0004})
+    assert (v.kind, v.node) == (SlowKind.COMPUTE, "n1"), v.detail
 
 
 def test_job_wide_slowdowns_never_name_a_node() -> None:
