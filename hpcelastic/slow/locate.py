@@ -19,7 +19,8 @@ lateness over the time between collectives: the share of the pace the job would 
 Kind: ``network`` when the late node's link round trip rose (as below) by at least :data:`RTT_EXPLAINS`
 of its median lateness; ``input`` when the named ranks' sampled stacks sit in data loading (DataLoader
 ``__next__``/``_next_data``, a dataset's ``__getitem__``) at least :data:`INPUT_SHARE` of the time and
-clearly more than the others'; ``compute`` otherwise, with the GPU's NVML facts as detail (clocks, throttle reasons, power).
+clearly more than the others'; ``compute`` otherwise, with the GPU's NVML facts as detail (clocks,
+throttle reasons, power).
 With no rank late: ``network`` when one node's link round trip rose (:data:`RTT_RISE` times its healthy
 value, or the other nodes' without one) while no other node's did; with no collectives to go by, ``compute``
 for the one node whose GPUs report a hardware slowdown; else ``job-wide``.
