@@ -263,7 +263,10 @@ def test_one_worker_per_node_without_omp_num_threads_starts_warm(
     job = LocalJob(tmp_path, nodes="1", nproc=1, train_args=("--crash-at-step", "5", "--crash-rank", "0"))
     assert job.wait(timeout=240) == [0]
     started = started_events(job)
-    assert [(e["round"], e["spawn"], e["cold_reasons"]) for e in started] == [(0, "warm", {}), (1, "warm", {})]
+    assert [(e["round"], e["spawn"], e["cold_reasons"]) for e in started] == [
+        (0, "warm", {}),
+        (1, "warm", {}),
+    ]
 
 
 def test_no_warm_start_spawns_cold_and_says_why(tmp_path: Path) -> None:
