@@ -43,13 +43,16 @@ from __future__ import annotations
 import enum
 import re
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from hpcelastic import events as ev
 from hpcelastic import replica_ledger as rl
 from hpcelastic.events import EventLog, Record
 from hpcelastic.reasons import Named, Reason
+from hpcelastic.tier.scan import step_of
 
 
 class Phase(Named):
@@ -195,9 +198,15 @@ class AttemptSpan:
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A complete checkpoint and when it was complete: published (handed to the next round), or only
+    written by the script (found in the checkpoint directory, ``name``: an unchanged ``torch.save`` or DCP
+    script publishes nothing). Only published ones enter the lost-time figures."""
+
     ts: float
     step: int | None
     attempt: int | None
+    name: str | None = None
+    published: bool = True
 
 
 class ResumeSource(Named):
@@ -248,6 +257,25 @@ def published_checkpoints(log: EventLog) -> list[Checkpoint]:
         done = tier_completed(log, str(tier.get("checkpoint")), _ts(tier) or t) if tier is not None else None
         out.append(Checkpoint(done[0] if done else t, _step(r), r.get("attempt")))
     return sorted(out, key=lambda c: c.ts)
+
+
+def written_only(log: EventLog, written: Sequence[tuple[str, float]]) -> list[Checkpoint]:
+    """The checkpoints in ``written`` that no ``checkpoint_published`` or tier persist names, each in the
+    attempt that was running when it was complete."""
+    known = log.of(ev.CHECKPOINT_PUBLISHED, ev.TIER_PERSISTED)
+    named = {Path(str(r["path"])).name for r in known if r.get("path")}
+    named |= {str(r["checkpoint"]) for r in log.of(ev.TIER_PERSISTED) if r.get("checkpoint")}
+    starts = sorted(
+        (t, r["attempt"]) for r in log.of(ev.ATTEMPT_STARTED) if (t := _ts(r)) is not None and "attempt" in r
+    )
+    out = []
+    for name, done in written:
+        if name in named:
+            continue
+        attempt = next((a for t, a in reversed(starts) if t <= done), None)
+        attempt = attempt if isinstance(attempt, int) else None
+        out.append(Checkpoint(done, step_of(name), attempt, name, published=False))
+    return out
 
 
 def resumed_from_heartbeats(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> Resumed | None:
@@ -422,7 +450,7 @@ _PHASE_FIELD = {
 class _Builder:
     """Walks the attempts once, cutting each into consecutive segments (see the module docstring)."""
 
-    def __init__(self, log: EventLog, now: float | None) -> None:
+    def __init__(self, log: EventLog, now: float | None, written: Sequence[tuple[str, float]] = ()) -> None:
         self.log = log
         self.now = now
         self.segments: list[Segment] = []
@@ -432,6 +460,7 @@ class _Builder:
         self.epochs: list[tuple[rl.Epoch, list[rl.GroupLane], int | None, float]] = []
         self.cursor = self.limit = 0.0
         self.checkpoints = published_checkpoints(log)
+        self.written = written_only(log, written)
         self.slices = self._slices()
         self.slice_rounds = [self._job_rounds(sl, rl.epochs(sl)) for sl in self.slices]
         self.steps_measured = bool(log.of(ev.PROGRESS))
@@ -943,7 +972,7 @@ class _Builder:
             attempts=self.attempts,
             incidents=self.incidents,
             segments=self.segments,
-            checkpoints=self.checkpoints,
+            checkpoints=sorted([*self.checkpoints, *self.written], key=lambda c: c.ts),
             allocated_s=allocated,
             productive_s=productive,
             unknown_s=unknown,
@@ -966,9 +995,13 @@ def slow_time_s(log: EventLog) -> float:
     return sum(latest.values())
 
 
-def build_ledger(log: EventLog, now: float | None = None) -> Ledger:
-    """The run's lost-time ledger. ``now`` ends a running attempt (default: its newest event)."""
-    return _Builder(log, now).build()
+def build_ledger(
+    log: EventLog, now: float | None = None, written: Sequence[tuple[str, float]] = ()
+) -> Ledger:
+    """The run's lost-time ledger. ``now`` ends a running attempt (default: its newest event); ``written``:
+    the complete checkpoints in the checkpoint directory and when each was complete
+    (:func:`hpcelastic.lifecycle.evidence.written_checkpoints`), shown beside the published ones."""
+    return _Builder(log, now, written).build()
 
 
 def duration(seconds: float) -> str:

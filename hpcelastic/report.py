@@ -257,11 +257,14 @@ class _Timeline:
         for c in self.led.checkpoints:
             if a.start <= c.ts <= a.end:
                 cx = self.x(c.ts)
+                what = f"checkpoint step {c.step}" if c.step is not None else f"checkpoint {c.name}"
+                if not c.published:
+                    what += f" ({c.name}, written by the script, not published)"
                 out.append(
                     f'<line class="checkpoint-tick" x1="{cx:.1f}" y1="{bar + 33}" x2="{cx:.1f}" '
-                    f'y2="{bar + 41}" '
-                    f'stroke="#1f2933" stroke-width="1.5"><title>checkpoint step {c.step} at '
-                    f"{_e(_clock(c.ts))}</title></line>"
+                    f'y2="{bar + 41}" stroke="#1f2933" stroke-width="1.5"'
+                    + ("" if c.published else ' stroke-dasharray="2 1"')
+                    + f"><title>{_e(what)} at {_e(_clock(c.ts))}</title></line>"
                 )
         out.append("</g>")
         return "\n".join(out)

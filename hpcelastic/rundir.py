@@ -45,6 +45,7 @@ from typing import Any
 
 from hpcelastic.errors import UserError
 from hpcelastic.events import Event, EventLog
+from hpcelastic.worker import DEFAULT_CHECKPOINT_SUBDIR
 
 SECRET_BYTES = 32
 #: The run id's size: 16 hex characters.
@@ -240,6 +241,12 @@ class RunDir:
             return json.loads(self.meta_path.read_text())
         except (OSError, json.JSONDecodeError):
             return {}
+
+    def checkpoint_dir(self) -> Path:
+        """Where the run's workers save: the submission's ``checkpoint_dir``, else the agent's default
+        (``RUN/checkpoints``, as ``hpcelastic run`` has it)."""
+        given = self.read_meta().get("checkpoint_dir")
+        return Path(given) if given else self.path / DEFAULT_CHECKPOINT_SUBDIR
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         """Atomically (re)write the submission's metadata."""

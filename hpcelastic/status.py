@@ -19,6 +19,7 @@ from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
 from hpcelastic.events import EventLog, EventName
 from hpcelastic.jobs import slurm
 from hpcelastic.ledger import Ledger, build_ledger, ledger_lines
+from hpcelastic.lifecycle.evidence import written_checkpoints
 from hpcelastic.reasons import JobEnd, Reason
 from hpcelastic.rundir import RunDir
 
@@ -409,6 +410,18 @@ def build_status(
     attempts = [e["attempt"] for e in log.of(events.ATTEMPT_STARTED) if isinstance(e.get("attempt"), int)]
     published = log.last(events.CHECKPOINT_PUBLISHED)
     checkpoint = {k: published.get(k) for k in ("path", "step", "attempt", "rank")} if published else None
+    checkpoint_dir = rd.checkpoint_dir()
+    written = written_checkpoints(checkpoint_dir)  # what an unchanged script saved, published or not
+    # A dead run's time stops at its newest event.
+    ledger = build_ledger(log, now=None if alive is False else time.time(), written=written)
+    unpublished = [c for c in ledger.checkpoints if not c.published]
+    if checkpoint is not None:
+        checkpoint["published"] = True
+    elif unpublished:
+        c = unpublished[-1]
+        path = str(checkpoint_dir / c.name) if c.name else None
+        checkpoint = {"path": path, "step": c.step, "attempt": c.attempt, "completed_ts": c.ts}
+        checkpoint["published"] = False
     return Status(
         run_dir=str(rd.path),
         job_ids=job_ids,
@@ -420,8 +433,19 @@ def build_status(
         slurm_error=error,
         timeline=timeline(log),
         damaged_events=log.damaged,
-        ledger=build_ledger(log, now=None if alive is False else time.time()),  # a dead run's time stops
+        ledger=ledger,
     )
+
+
+def _checkpoint_line(ckpt: Mapping[str, Any] | None) -> str:
+    """The newest checkpoint: published, or found complete in the checkpoint directory."""
+    if not ckpt:
+        return "none (none published, none complete in the checkpoint directory)"
+    step = f"step {ckpt['step']}: " if ckpt.get("step") is not None else ""
+    if ckpt.get("published", True):
+        return f"{step}{ckpt.get('path')}"
+    when = format_ts(float(ckpt["completed_ts"])) if ckpt.get("completed_ts") else "?"
+    return f"{step}{ckpt.get('path')} (written by the script at {when}; not published)"
 
 
 def render_text(st: Status) -> str:
@@ -442,7 +466,7 @@ def render_text(st: Status) -> str:
         f"slurm       {slurm_line}",
         f"attempt     {st.attempt if st.attempt is not None else '-'}",
         f"outcome     {st.outcome}",
-        "checkpoint  " + (f"step {ckpt.get('step')}: {ckpt.get('path')}" if ckpt else "none published"),
+        "checkpoint  " + _checkpoint_line(ckpt),
         "",
     ]
     width = max((len(r.what) for r in st.timeline), default=10)

@@ -41,6 +41,7 @@ from hpcelastic.slow.watch import SlowWatch
 from hpcelastic.tier.book import TierBook
 from hpcelastic.tier.node import LocalTier, published_size
 from hpcelastic.tier.settings import NodeTier, check_node, key
+from hpcelastic.worker import DEFAULT_CHECKPOINT_SUBDIR
 
 #: The agent's exit code when the run was cancelled before its attempt started (128 + SIGTERM).
 
@@ -65,7 +66,7 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     wake = Wake()
     stack.callback(wake.close)
     selector.register(wake.r, selectors.EVENT_READ, "wake")
-    checkpoint_dir = spec.checkpoint_dir or run_dir.path / "checkpoints"
+    checkpoint_dir = spec.checkpoint_dir or run_dir.path / DEFAULT_CHECKPOINT_SUBDIR
     tier = local_tier(spec, node_tier, ctx, rdzv, checkpoint_dir, attempt, stack)
     coordinator = (
         host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack, attempt=attempt)

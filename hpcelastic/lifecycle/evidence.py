@@ -1,7 +1,8 @@
 """The evidence the end-of-attempt decision reads from outside the event log (I/O at the edge).
 
 - :func:`new_checkpoint`: a complete checkpoint the attempt wrote into the checkpoint directory, published
-  or not (an unchanged script saves on its own, with ``torch.save`` or ``torch.distributed.checkpoint``).
+  or not (an unchanged script saves on its own, with ``torch.save`` or ``torch.distributed.checkpoint``);
+  :func:`written_checkpoints`: all of them, for ``status`` and the report.
 - :func:`partition_capacity`: which nodes of its partition a requeued job could run on, and how many it needs.
 - :func:`still_bad`: the bad nodes, less those lost by silence whose slurmd answers again (a cut link healed).
 
@@ -50,6 +51,32 @@ def new_checkpoint(checkpoint_dir: str | os.PathLike[str] | None, since: float) 
 def newest_checkpoint(checkpoint_dir: str | os.PathLike[str] | None) -> str | None:
     """The newest complete checkpoint under ``checkpoint_dir``, relative to it (None: none)."""
     return new_checkpoint(checkpoint_dir, float("-inf"))
+
+
+def written_checkpoints(checkpoint_dir: str | os.PathLike[str] | None) -> list[tuple[str, float]]:
+    """Every complete checkpoint in ``checkpoint_dir`` (a top-level entry, as :func:`checkpoint_of` names
+    them) and when it was complete, oldest first: what a script wrote, published or not. Empty when the
+    directory is missing or unreadable."""
+    if not checkpoint_dir:
+        return []
+    root = Path(checkpoint_dir)
+    try:
+        entries = [e for e in os.scandir(root) if not e.name.startswith((".", OWN_PREFIX))]
+    except OSError:
+        return []
+    found: list[tuple[str, float]] = []
+    for e in sorted(entries, key=lambda e: e.name)[:SCAN_LIMIT]:
+        if e.name.endswith(PARTIAL_SUFFIXES):
+            continue
+        path = Path(e.path)
+        if e.is_dir(follow_symlinks=False) and not (path / DCP_METADATA).is_file():
+            times = [t for p, d in _walk(path) if not p.is_dir() and (t := _complete_mtime(p, d)) is not None]
+            done = max(times) if times else None
+        else:
+            done = _complete_mtime(path, 0)
+        if done is not None:
+            found.append((e.name, done))
+    return sorted(found, key=lambda f: (f[1], f[0]))
 
 
 def checkpoint_of(

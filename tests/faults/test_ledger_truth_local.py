@@ -41,3 +41,31 @@ def test_redone_time_is_what_the_scripts_log_proves(tmp_path: Path, index: int) 
         assert "redone_work_s" not in inc["estimated"]
     # what the round lost in restarting is not productive time: the read comes after the workers started
     assert inc["restart_to_first_step_s"] > 0.3
+    if not case.heartbeats:
+        check_written_checkpoints(tmp_path / "run", tmp_path / "report.html")
+
+
+def check_written_checkpoints(run_dir: Path, report: Path) -> None:
+    """An unchanged script publishes nothing: the checkpoints it wrote are still in ``status`` (the newest,
+    said to be unpublished), in the ledger (each, when it was complete) and on the report's timeline
+    (issue 30; before, "checkpoint none published" and no ticks)."""
+    import subprocess
+    import sys
+
+    st = T.status(run_dir)
+    saved = T.saved_at(run_dir)
+    assert saved, "the script logged no save"
+    newest = max(saved)
+    assert st["checkpoint"]["published"] is False and st["checkpoint"]["step"] == newest, st["checkpoint"]
+    written = {c["step"]: c for c in st["ledger"]["checkpoints"] if not c["published"]}
+    assert set(written) == set(saved), (written, saved)
+    for step, logged in saved.items():  # complete when the save returned, to file time resolution
+        assert written[step]["ts"] == pytest.approx(logged, abs=0.5), (step, written[step], logged)
+    out = subprocess.run(
+        [sys.executable, "-m", "hpcelastic", "report", str(run_dir), "-o", str(report)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    html = report.read_text()
+    assert html.count("written by the script, not published") == len(saved)

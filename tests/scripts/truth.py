@@ -103,16 +103,31 @@ def run(case: Case, run_dir: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
-def incident(run_dir: Path) -> dict[str, Any]:
-    """The run's one incident, as ``hpcelastic status --json`` gives it."""
+def status(run_dir: Path) -> dict[str, Any]:
+    """``hpcelastic status --json`` of the run."""
     out = subprocess.run(
         [sys.executable, "-m", "hpcelastic", "status", "--json", str(run_dir)],
         capture_output=True,
         text=True,
         check=True,
     )
-    (inc,) = json.loads(out.stdout)["ledger"]["incidents"]
+    return json.loads(out.stdout)
+
+
+def incident(run_dir: Path) -> dict[str, Any]:
+    """The run's one incident, as ``hpcelastic status --json`` gives it."""
+    (inc,) = status(run_dir)["ledger"]["incidents"]
     return inc
+
+
+def saved_at(run_dir: Path) -> dict[int, float]:
+    """When rank 0 logged each step's save done (the unchanged scripts' ``saved <step> <time>`` lines)."""
+    found: dict[int, float] = {}
+    for attempt in sorted((run_dir / "logs").glob("attempt-*")):
+        for line in (attempt / "rank-0.log").read_text().splitlines():
+            if m := re.fullmatch(r"saved (\d+) ([\d.]+)", line.strip()):
+                found[int(m.group(1))] = float(m.group(2))
+    return found
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def test_timeline_rows_and_single_slurm_query(rd: RunDir) -> None:
     assert asked == [["11", "12"]]  # one query for every job id of the run
     assert st.job_ids == ["11", "12"] and st.latest_job_id == "12" and st.attempt == 1
     assert st.outcome == "running"
-    assert st.checkpoint == {"path": "/c/s20.pt", "step": 20, "attempt": 0, "rank": 0}
+    assert st.checkpoint == {"path": "/c/s20.pt", "step": 20, "attempt": 0, "rank": 0, "published": True}
     whats = [r.what for r in st.timeline]
     assert whats == [
         "submitted",
