@@ -158,7 +158,9 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     log = EventLog(synthetic_run())
-    page = render_report(build_ledger(log), log, run="/runs/demo-run")
+    # one checkpoint the script wrote and did not publish (found in its checkpoint directory): a dashed tick
+    ledger = build_ledger(log, written=[("step-225.pt", 1_700_000_175.0)])
+    page = render_report(ledger, log, run="/runs/demo-run")
     path = tmp_path_factory.mktemp("report") / "report.html"
     path.write_text(page)
     return path
@@ -178,7 +180,9 @@ def test_rendered_dom_has_the_timeline_and_the_summary(report: Path, tmp_path: P
     assert dom.classes.get("attempt-bar") == 2
     assert dom.classes.get("failure-marker") == 3
     assert dom.classes.get("round-seg") == 4
-    assert dom.classes.get("checkpoint-tick") == 4
+    assert dom.classes.get("checkpoint-tick") == 5
+    dashed = [a for tag, a in dom.tags if a.get("class") == "checkpoint-tick" and a.get("stroke-dasharray")]
+    assert len(dashed) == 1, dashed
     assert dom.classes.get("seg-pending") == 1
     ratio = build_ledger(EventLog(synthetic_run())).ettr
     assert ratio is not None
