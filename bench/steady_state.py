@@ -153,6 +153,16 @@ def main() -> None:
                 f"{100 * statistics.median(r.launcher_cpu_share for r in rs):.1f} % | "
                 f"{statistics.median(r.launcher_rss_mb for r in rs):.0f} MB |"
             )
+    def spread(rs: list[Result]) -> float:
+        steps = [r.step_s for r in rs]
+        return (max(steps) - min(steps)) / statistics.median(steps)
+
+    lines += [
+        "",
+        f"Resolution: one configuration's rounds spread by up to {100 * max(map(spread, got.values())):.0f} "
+        "% of its median (min-max); differences between medians well below that are not resolved by this "
+        "run (more rounds, or longer ones, resolve more).",
+    ]
     lines += [
         "",
         "Launcher CPU: the tree's CPU time (wait4) less the workers' training CPU, over the run's wall time: "
