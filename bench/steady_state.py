@@ -153,6 +153,7 @@ def main() -> None:
                 f"{100 * statistics.median(r.launcher_cpu_share for r in rs):.1f} % | "
                 f"{statistics.median(r.launcher_rss_mb for r in rs):.0f} MB |"
             )
+
     def spread(rs: list[Result]) -> float:
         steps = [r.step_s for r in rs]
         return (max(steps) - min(steps)) / statistics.median(steps)
