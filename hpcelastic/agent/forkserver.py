@@ -19,9 +19,7 @@ run as ``__main__`` by ``runpy.run_path``. It ends with the codes, tracebacks an
 shows (threads joined, atexit handlers run, open files flushed), then ``os._exit`` instead of tearing
 torch's modules down object by object (seconds). Differences: the hash seed is the server's; variables
 read while importing the preloads come from the server's environment (the job's, without the per-rank
-variables, with ``OMP_NUM_THREADS=1`` unless the job set it: numpy's OpenBLAS pool in a warm worker has one
-thread, where torch's follows the worker's own value); ``__del__`` of objects still alive at exit does
-not run (as in multiprocessing's workers).
+variables); ``__del__`` of objects still alive at exit does not run (as in multiprocessing's workers).
 """
 
 from __future__ import annotations

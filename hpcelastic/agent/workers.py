@@ -293,13 +293,8 @@ def start_forkserver(
     script, why = warm_script(argv)
     if script is None:
         return None, why
-    # The server itself runs one thread whatever the worker count: with one worker per node the job's
-    # environment may leave OMP_NUM_THREADS unset, and numpy's OpenBLAS then starts its pool on import,
-    # which refuses warm starts (a fork copies one thread). Each worker gets its own value after the fork.
-    server_env = base_env(environ, nproc)
-    server_env.setdefault("OMP_NUM_THREADS", "1")
     try:
-        return ForkServer(argv[0], script, server_env, preexec_fn=_child_setup), ""
+        return ForkServer(argv[0], script, base_env(environ, nproc), preexec_fn=_child_setup), ""
     except OSError as e:
         return None, f"the fork server did not start: {e}"
 

@@ -84,6 +84,10 @@ def run_training(
     the agent as Slurm gives a job its GPU (``CUDA_VISIBLE_DEVICES``), on ``cpus`` when given."""
     run_dir, out = tmp / f"{name}-run", tmp / f"{name}-out"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu(), "PYTHONUNBUFFERED": "1"}
+    # With one worker per node the agent leaves OMP_NUM_THREADS unset, and numpy's OpenBLAS would start a
+    # thread pool in the fork server, which then refuses warm starts (docs/ARCHITECTURE.md): a one-GPU
+    # node's job sets this to get them, as this check does.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
     env.pop("HPCELASTIC_CHECKPOINT_DIR", None)
     cmd = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "1", "--nproc-per-node", "1"]
     cmd += ["--run-dir", str(run_dir), *agent_args, str(TRAIN)]

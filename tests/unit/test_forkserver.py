@@ -253,22 +253,6 @@ def test_agents_restart_warm_workers_and_say_so(tmp_path: Path) -> None:
     assert json.loads(job.out.read_text())["world_size"] == 4
 
 
-def test_one_worker_per_node_without_omp_num_threads_starts_warm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One worker per node (a one-GPU node) and a job that leaves OMP_NUM_THREADS unset: the fork server
-    still imports torch without starting numpy's OpenBLAS pool, so the worker and its restart are warm
-    (before, both were cold: found by the GPU check's rehearsal)."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    job = LocalJob(tmp_path, nodes="1", nproc=1, train_args=("--crash-at-step", "5", "--crash-rank", "0"))
-    assert job.wait(timeout=240) == [0]
-    started = started_events(job)
-    assert [(e["round"], e["spawn"], e["cold_reasons"]) for e in started] == [
-        (0, "warm", {}),
-        (1, "warm", {}),
-    ]
-
-
 def test_no_warm_start_spawns_cold_and_says_why(tmp_path: Path) -> None:
     job = LocalJob(tmp_path, nodes="2", nproc=2, agent_args=("--no-warm-start",))
     assert job.wait(timeout=240) == [0, 0]
