@@ -264,16 +264,14 @@ def written_only(log: EventLog, written: Sequence[tuple[str, float]]) -> list[Ch
     attempt that was running when it was complete."""
     known = log.of(ev.CHECKPOINT_PUBLISHED, ev.TIER_PERSISTED)
     named = {Path(str(r["path"])).name for r in known if r.get("path")}
-    named |= {str(r["checkpoint"]) for r in log.of(ev.TIER_PERSISTED) if r.get("checkpoint")}
-    starts = sorted(
-        (t, r["attempt"]) for r in log.of(ev.ATTEMPT_STARTED) if (t := _ts(r)) is not None and "attempt" in r
-    )
+    named |= {str(r["checkpoint"]) for r in known if r.get("checkpoint")}
+    starts = [(t, r.get("attempt")) for r in log.of(ev.ATTEMPT_STARTED) if (t := _ts(r)) is not None]
+    starts.sort(key=lambda s: s[0])
     out = []
     for name, done in written:
         if name in named:
             continue
-        attempt = next((a for t, a in reversed(starts) if t <= done), None)
-        attempt = attempt if isinstance(attempt, int) else None
+        attempt = next((a for t, a in reversed(starts) if t <= done and isinstance(a, int)), None)
         out.append(Checkpoint(done, step_of(name), attempt, name, published=False))
     return out
 

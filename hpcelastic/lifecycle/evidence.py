@@ -70,8 +70,7 @@ def written_checkpoints(checkpoint_dir: str | os.PathLike[str] | None) -> list[t
             continue
         path = Path(e.path)
         if e.is_dir(follow_symlinks=False) and not (path / DCP_METADATA).is_file():
-            times = [t for p, d in _walk(path) if not p.is_dir() and (t := _complete_mtime(p, d)) is not None]
-            done = max(times) if times else None
+            done = _newest_complete_file(path)
         else:
             done = _complete_mtime(path, 0)
         if done is not None:
@@ -93,10 +92,15 @@ def checkpoint_of(
         if (folder / DCP_METADATA).is_file():
             return str(folder.relative_to(root)), _complete_mtime(folder, depth - 1)
     if len(rel.parts) > 1:
-        folder = root / rel.parts[0]
-        times = [t for p, d in _walk(folder) if (t := _complete_mtime(p, d)) is not None and not p.is_dir()]
-        return rel.parts[0], max(times) if times else None
+        return rel.parts[0], _newest_complete_file(root / rel.parts[0])
     return str(rel), _complete_mtime(path, 0)
+
+
+def _newest_complete_file(folder: Path) -> float | None:
+    """When the newest complete file under ``folder`` was (a checkpoint of several files: Accelerate's
+    ``save_state``); None when it holds none."""
+    times = [t for p, d in _walk(folder) if not p.is_dir() and (t := _complete_mtime(p, d)) is not None]
+    return max(times) if times else None
 
 
 def _walk(root: Path) -> list[tuple[Path, int]]:
