@@ -22,8 +22,12 @@ of its median lateness; ``input`` when the named ranks' sampled stacks sit in da
 clearly more than the others'; ``compute`` otherwise, with the GPU's NVML facts as detail (clocks,
 throttle reasons, power).
 With no rank late: ``network`` when one node's link round trip rose (:data:`RTT_RISE` times its healthy
-value, or the other nodes' without one) while no other node's did; with no collectives to go by, ``compute``
-for the one node whose GPUs report a hardware slowdown; else ``job-wide``.
+value, or the other nodes' without one) while no other node's did. A link that slows a job to a crawl leaves
+too few collectives in a window to compare ranks (a 50 ms delay on one node's link of three: the job at 13 %
+of its pace, a collective every 1.5 s): the round trip alone then names the node ``network`` when it rose by
+at least :data:`RTT_ALONE_S`, more than a loaded kernel's jitter (a CPU-starved node's own round trip rose
+by 4 ms). With no collectives and no such link, ``compute`` for the one node whose GPUs report a hardware
+slowdown; else ``job-wide``, its detail with the nodes' round trips.
 
 Clock skew between nodes: arrival times are on each node's wall clock; the detector first moves them to
 the coordinator's by each node's estimated offset, and the per-rank baseline lateness then cancels what is
@@ -65,6 +69,8 @@ RTT_FLOOR_S = 0.0005
 #: slow at computing is late by its own slowdown, whatever its round trip does (on a loaded machine the
 #: kernel's round trip jitters by milliseconds: official CI called a CPU-quota'd node ``network``).
 RTT_EXPLAINS = 0.25
+#: With too few collectives to compare ranks, a node's round trip names it only when it rose this much.
+RTT_ALONE_S = 0.01
 #: Function names of data loading frames (torch.utils.data's, and any dataset's ``__getitem__``).
 DATA_FRAMES = frozenset({"__next__", "_next_data", "__getitem__", "__getitems__", "_get_data", "fetch"})
 
@@ -192,16 +198,27 @@ def locate(ev: Evidence, window: PaceWindow) -> SlowVerdict:
     if enough and enough[0].late_q >= threshold(gap, window.ratio):
         own = enough[0].late_median / gap if gap > 0 else None
         return replace(_late_node(ev, window, enough[0], pace, network), own_slowdown=own)
-    if enough and network is not None:
+    if network is not None and (enough or network[1] >= RTT_ALONE_S):
         node, _rise, detail = network
-        return SlowVerdict(window, SlowKind.NETWORK, node=node, detail=f"{detail}; no rank late; {pace}")
+        why = "no rank late" if enough else "too few collectives to compare ranks"
+        return SlowVerdict(window, SlowKind.NETWORK, node=node, detail=f"{detail}; {why}; {pace}")
     if not enough:
         gpu = _gpu_only(ev)
         if gpu is not None:
             node, detail = gpu
             return SlowVerdict(window, SlowKind.COMPUTE, node=node, detail=f"{detail}; {pace}")
     why = "no node late at most collectives" if enough else "too few collectives seen on two nodes"
-    return SlowVerdict(window, SlowKind.JOB_WIDE, detail=f"{why}; {pace}")
+    return SlowVerdict(window, SlowKind.JOB_WIDE, detail=f"{why}; {pace}{_round_trips(ev)}")
+
+
+def _round_trips(ev: Evidence) -> str:
+    """The nodes' link round trips now and usually, for a job-wide verdict's detail ('' when unknown)."""
+    shown = [
+        f"{node} {rtt * 1e3:.1f}"
+        + (f" ({ev.baseline_rtt[node] * 1e3:.1f})" if node in ev.baseline_rtt else "")
+        for node, rtt in sorted(ev.rtt.items())
+    ]
+    return f"; link round trips ms (usual): {', '.join(shown)}" if shown else ""
 
 
 def _late_node(

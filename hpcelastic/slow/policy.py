@@ -385,7 +385,7 @@ def decide(history: SlowHistory, job: JobView, settings: SlowSettings) -> tuple[
     orders: list[SlowOrder] = []
     if jw.open and not jw.reported:
         why = f"the job runs {jw.slowdown:.0%} below its pace and no node stands out"
-        orders.append(SlowOrder(Order.REPORT, None, SlowKind.JOB_WIDE, jw.slowdown, why))
+        orders.append(SlowOrder(Order.REPORT, None, SlowKind.JOB_WIDE, jw.slowdown, _with(why, jw)))
     members = set(job.nodes)
     evidence = {  # only a node open or named in the latest window can be acted on
         n: ev for n, ev in sorted(history.nodes.items()) if n in members and _actionable(ev)

@@ -149,6 +149,18 @@ def test_too_few_collectives_name_no_one() -> None:
     assert v.kind is SlowKind.JOB_WIDE and "too few collectives" in v.detail
 
 
+def test_a_link_that_slows_the_job_to_a_crawl_is_named_by_its_round_trip_alone() -> None:
+    """Measured on the namespaced testbed: 50 ms each way on one node's link of three left a collective
+    every 1.5 s (too few to compare ranks) and round trips of 0.3, 101 and 0.4 ms."""
+    run = simulate(steps=4, comm=0.5)
+    v = verdict(run, rtt={"n0": 0.0003, "n1": 0.101})
+    assert (v.kind, v.node) == (SlowKind.NETWORK, "n1"), v.detail
+    assert "too few collectives" in v.detail
+    # a CPU-starved node's own round trip (4 ms) is a loaded kernel's jitter, not its link: nobody named
+    v = verdict(run, rtt={"n0": 0.0004, "n1": 0.004}, baseline_rtt={"n0": 0.0004, "n1": 0.0004})
+    assert v.kind is SlowKind.JOB_WIDE and "n1 4.0 (0.4)" in v.detail
+
+
 def test_gpu_facts_explain_a_compute_verdict() -> None:
     run = simulate(speed=slowed({3}, 0.5))
     gpus = {
