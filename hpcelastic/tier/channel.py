@@ -4,15 +4,19 @@ Hand-written because the control plane (``agent/protocol.py``) carries small JSO
 library offers an authenticated, pickle-free bulk copy a Python agent can host in a thread: this is that
 protocol's handshake and frames for the headers, with the file bytes in between.
 
-A connection: the server's challenge, the client's authenticated ``hello`` naming the operation (``put``
-a part to the server, ``get`` a part from it), the checkpoint, the part's position and, for a put, the files
+A connection: the server's challenge, the client's authenticated ``hello`` naming the operation (``put`` a
+part to the server, ``get`` a part from it), the checkpoint, the part's position and, for a put, the files
 (path relative to the local directory, size), the server's authenticated answer, the files' bytes back to
-back, and a ``done`` frame with an HMAC-SHA256 of each file under a key derived from the connection's
-session key. The keys come from the job secret as the control plane's do (with a label of their own), so a
-stranger can neither send nor fetch a file, and a replayed or altered byte fails its file's MAC; a part is
-moved into place only once every MAC verified. What a peer names is checked before any handler sees it or a
-byte is reserved: a checkpoint is one plain path component, a position ``N`` or ``G:R``, a file a relative
-path inside the directory, and a part at most :data:`MAX_FILES` files and :data:`MAX_PART_BYTES` bytes.
+back, and a ``done`` frame with a Poly1305 tag of each file under a one-time key of its own, derived from the
+connection's session key and the file's place in the part (the cryptography package's Poly1305, run over each
+chunk as it passes: about 9 GB/s a core here against HMAC-SHA256's 1.2 GB/s with the CPU's SHA instructions,
+less without them; a 1 GB restore took 1.32 s with HMAC-SHA256, 0.91 s now: bench/tier_channel.py). The keys
+come from the job secret as the control plane's do (with a label of their own) and every connection's are
+fresh (both sides' nonces), so a stranger can neither send nor fetch a file, no one-time key serves twice, and
+a replayed or altered byte fails its file's tag; a part is moved into place only once every tag verified. What
+a peer names is checked before any handler sees it or a byte is reserved: a checkpoint is one plain path
+component, a position ``N`` or ``G:R``, a file a relative path inside the directory, and a part at most
+:data:`MAX_FILES` files and :data:`MAX_PART_BYTES` bytes.
 
 The sender reads each file into one reused buffer, MACs those bytes and sends them; never a memory map, which
 kills the agent with SIGBUS when the script truncates the file to save it again. A file that changes while
@@ -45,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 from hpcelastic.agent import protocol
 
 CHUNK = 4 << 20
@@ -70,7 +76,8 @@ MAX_NAME_BYTES = 255
 MAX_REL_CHARS = 4096
 MAX_FILES = 100_000
 MAX_PART_BYTES = 1 << 40
-LABEL = b"hpcelastic/tier-data/1"
+#: Version 2: files tagged with Poly1305 (version 1: HMAC-SHA256), so agents of either never mix.
+LABEL = b"hpcelastic/tier-data/2"
 _POSITION = re.compile(r"[0-9]{1,9}(?::[0-9]{1,9})?")
 
 
@@ -168,8 +175,9 @@ class Throttle:
             self._open.set()
 
 
-def _file_mac(session: protocol.Session) -> hmac.HMAC:
-    return hmac.new(session.derive("tier-file"), digestmod=hashlib.sha256)
+def _file_mac(session: protocol.Session, index: int) -> Poly1305:
+    """File ``index``'s one-time authenticator on this connection (its key used for that file only)."""
+    return Poly1305(session.derive(f"tier-file/{index}"))
 
 
 def send_files(
@@ -181,8 +189,7 @@ def send_files(
     buf = memoryview(bytearray(CHUNK))
     macs = []
     for i, f in enumerate(files):
-        mac = _file_mac(session)
-        mac.update(i.to_bytes(8, "big"))
+        mac = _file_mac(session, i)
         fd = os.open(f.path, os.O_RDONLY)
         try:
             before = _stamp(fd)
@@ -199,7 +206,7 @@ def send_files(
                 raise ChannelError(f"{f.rel} changed while it was sent")
         finally:
             os.close(fd)
-        macs.append(mac.hexdigest())
+        macs.append(mac.finalize().hex())
     return macs
 
 
@@ -224,31 +231,39 @@ def _read(fd: int, view: memoryview, offset: int, rel: str) -> memoryview:
 def recv_files(
     sock: socket.socket, files: Sequence[tuple[str, int]], dest: Path, session: protocol.Session
 ) -> list[str]:
-    """Receive the files' bytes into ``dest``/rel; their MACs, in order."""
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
+    """Receive the files' bytes into ``dest``/rel; their MACs, in order. Each chunk is filled whole before it
+    is MACed and written (one call each per chunk, not per segment the socket hands over)."""
+    view = memoryview(bytearray(CHUNK))
     macs = []
     for i, (rel, size) in enumerate(files):
-        mac = _file_mac(session)
-        mac.update(i.to_bytes(8, "big"))
+        mac = _file_mac(session, i)
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             left = size
             while left:
-                n = sock.recv_into(view[: min(CHUNK, left)])
-                if not n:
-                    raise ChannelError("the peer closed the connection mid-file")
-                mac.update(view[:n])
+                chunk = _recv_chunk(sock, view[: min(CHUNK, left)])
+                mac.update(chunk)
                 written = 0
-                while written < n:
-                    written += os.write(fd, view[written:n])
-                left -= n
+                while written < len(chunk):
+                    written += os.write(fd, chunk[written:])
+                left -= len(chunk)
         finally:
             os.close(fd)
-        macs.append(mac.hexdigest())
+        macs.append(mac.finalize().hex())
     return macs
+
+
+def _recv_chunk(sock: socket.socket, view: memoryview) -> memoryview:
+    """``view`` filled from the socket; :class:`ChannelError` if the peer closes it before."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ChannelError("the peer closed the connection mid-file")
+        got += n
+    return view
 
 
 def _check_macs(got: list[str], sent: Any) -> None:

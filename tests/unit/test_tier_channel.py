@@ -513,3 +513,32 @@ def test_get_refuses_a_hostile_file_list_before_reserving(
     with pytest.raises(channel.ChannelError):
         channel.get("127.0.0.1", a.server.port, SECRET, "step-5", "0", dest, lambda n: asked.append(n))
     assert asked == [] and not dest.exists() and not (tmp_path / "evil").exists()
+
+
+def test_each_file_is_tagged_under_a_key_of_its_own_on_each_connection(tmp_path: Path) -> None:
+    """Poly1305 keys are one-time: the same bytes as another file of the part, or on another connection,
+    get another tag, so a file moved to another place or replayed from another transfer fails its tag."""
+    path = tmp_path / "a"
+    path.write_bytes(os.urandom(3 * MB))
+    same = [channel.FileRef("a", path, 3 * MB), channel.FileRef("b", path, 3 * MB)]
+
+    def tags(key: bytes) -> list[str]:
+        a, b = socket.socketpair()
+        with a, b:
+            drain = threading.Thread(target=_drain, args=(b,))
+            drain.start()
+            got = channel.send_files(a, same, protocol.Session(key, is_server=True), None)
+            a.close()
+            drain.join()
+        return got
+
+    first = tags(b"k" * 32)
+    assert first[0] != first[1]  # the same bytes at another place in the part
+    assert tags(b"j" * 32)[0] != first[0]  # the same file on another connection
+    assert tags(b"k" * 32) == first  # and the tag is the bytes' and the key's alone
+
+
+def _drain(sock: socket.socket) -> None:
+    buf = bytearray(MB)
+    while sock.recv_into(buf):
+        pass
