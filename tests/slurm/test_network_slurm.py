@@ -4,7 +4,8 @@ A Slurm instance of this module's own (``fabric``: 4 nodes, each in a network na
 198.18.23.i on a bridge, slurmctld at 198.18.23.254, SlurmdTimeout 15 s). Faults are packets dropped or
 delayed on the fabric side of a node's link (``scripts/testbed.sh cut-link | netem | flap | partition``):
 the node and its processes live on and still reach the shared filesystem. Outcomes are asserted on
-Slurm's record of the job (JobState, Restarts, ExcNodeList) and on the events.
+Slurm's record of the job (JobState, Restarts, ExcNodeList) and on the events. A node slowed by its link
+(not cut) is named ``network`` and replaced by the spare (issue 28).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
+from tests import slow_job
 from tests.slurm_utils import TRAIN, events, named, reference_digest, train_args
 from tests.testbed import Testbed, own_instance
 
@@ -289,4 +291,60 @@ def test_an_asymmetric_partition_is_caught_by_hang_detection_which_names_the_nod
     stacks = json.loads((run / "stacks" / "attempt-0" / "round-0.json").read_text())
     assert stacks["localization"]["method"] == "network", stacks["localization"]
     assert named(evs, "root_cause")[0]["node"] == victim
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+
+
+def test_a_node_slowed_by_its_link_is_named_network_and_replaced_by_the_spare(
+    tb: Testbed, tmp_path: Path
+) -> None:
+    """Slow nodes, the network kind (issue 28): the unchanged DDP script of the slow-node tests
+    (``tests/faults/slow_train.py``, two workers a node, its own ``torch.save`` checkpoints) on two nodes and
+    a spare; once its pace is known, 50 ms each way on the second node's link (its CPUs untouched). The
+    coordinator names that node ``network`` and, at a checkpoint, the spare takes its place: the job
+    completes in its allocation (COMPLETED, Restarts 0) with the fault-free model, and no other node is
+    ever named."""
+    steps, ckpt = 400, tmp_path / "ckpt"
+    flags = ["--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", "2", "--slow-action", "swap"]
+    flags += ["--checkpoint-dir", str(ckpt)]
+    script, *args = slow_job.train_args(tmp_path, ckpt, steps)
+    job, run = submit(tb, tmp_path, *flags, script=Path(script), args=args)
+    first = ckpt / f"ckpt-{slow_job.SLOW_AFTER_STEP:06d}.pt"
+    wait_until(f"{first.name} (the job's pace known)", first.exists, 180)
+    slowed = named(events(run), "rendezvous")[0]["hosts"][1]
+    tb.netem(slowed, "delay", "50ms")
+    try:
+        wait_until("the slow node named", lambda: named(events(run), "node_slow"), 150)
+        wait_until("the spare in its place", lambda: len(named(events(run), "rendezvous")) > 1, 120)
+    finally:
+        tb.heal(slowed)
+    rec = wait_ended(tb, job, 300)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    evs = events(run)
+    slow = named(evs, "node_slow")
+    assert {(e["node"], e["kind"]) for e in slow} == {(slowed, "network")}, slow
+    swaps = [e for e in slow if e["action"] == "swap"]
+    rounds = named(evs, "rendezvous")
+    assert swaps and rounds[-1]["hosts"] == [rounds[0]["hosts"][0], swaps[0]["spare"]], (swaps, rounds)
+    resumed = slow_job.resumed_steps(tmp_path)
+    assert len(resumed) == 1 and resumed[0] >= slow_job.SLOW_AFTER_STEP, resumed
+    assert (tmp_path / "final.sha256").read_text() == slow_job.reference_digest(steps, resumed=resumed)
+
+
+def test_cuts_of_the_coordinators_link_shorter_than_detection_cost_no_restart(
+    tb: Testbed, tmp_path: Path
+) -> None:
+    """Issue 31, item 3: the batch host's link (the coordinator's node) cut for 1, 3 and 4 s, below the
+    detection bound (4.75 s), one after the other: no node is lost, no round restarts, Slurm never
+    requeues the job, and it finishes with the fault-free model."""
+    steps = 300
+    job, run = submit_reference(tb, tmp_path, steps)
+    wait_until("the job trains", lambda: training(run))
+    batch_host = job_record(tb, job)["BatchHost"]
+    for seconds in (1, 3, 4):
+        tb.cut_link(batch_host, seconds)
+        time.sleep(seconds + 6)  # the cut, then past the detection bound after it
+    rec = wait_ended(tb, job)
+    evs = events(run)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "0", rec
+    assert not named(evs, "node_lost") and not named(evs, "restarting"), [e["event"] for e in evs]
     assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
