@@ -1,13 +1,13 @@
 """A slow node on the Slurm testbed, through ``hpcelastic submit --nodes 2 --spare-nodes 1`` (issue 28), on
 an instance of this module's own (``slownode``: 3 nodes on 127.0.44.x).
 
-The unchanged DDP script (``tests/faults/slow_train.py``: plain torch, its own ``torch.save`` checkpoints,
-two workers a node) runs on the first two nodes; once the job's pace is known, the second node's workers
-are slowed the way the kernel slows a node (a cgroup v1 CPU quota of 3 % on their processes). The
-coordinator names that node (kind compute), and right after a checkpoint the node leaves and the spare takes
-its place: the job completes inside its allocation (Slurm's view: COMPLETED, Restarts 0, all three nodes in
-its NodeList), with the fault-free model, the slow node among the attempt's bad nodes (excluded had it been
-requeued) and the slow time in the ledger.
+The unchanged DDP script (``tests/faults/slow_train.py``: plain torch, its own ``torch.save`` checkpoints, two
+workers a node) runs on the first two nodes; once the job's pace is known, the second node's workers are
+slowed the way the kernel slows a node (a cgroup v1 CPU quota on their processes: a quarter of the CPU they
+used, at most 3 %). The coordinator names that node (kind compute), and right after a checkpoint the node
+leaves and the spare takes its place: the job completes inside its allocation (Slurm's view: COMPLETED,
+Restarts 0, all three nodes in its NodeList), with the fault-free model, the slow node among the attempt's bad
+nodes (excluded had it been requeued) and the slow time in the ledger.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hpcelastic.jobs.slurm import ENDED_STATES, parse_scontrol_record
@@ -28,6 +29,8 @@ from tests.testbed import Testbed, own_instance
 NAME = "slownode"
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group(name=NAME)]
 STEPS = 900
+#: The slowed workers' quota as a share of the CPU they used: their compute takes about 4 times as long.
+USED_SHARE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +65,17 @@ def _wait(tb: Testbed, job: str, what: str, ready: object, deadline: float) -> N
 
 def _slow_second_node(tb: Testbed, job: str, tmp_path: Path, ckpt: Path, cpu_quota, deadline: float) -> None:  # type: ignore[no-untyped-def]
     """Once the job's pace is known (its checkpoint of step ``SLOW_AFTER_STEP``), a CPU quota on the second
-    node's workers (ranks 2 and 3)."""
+    node's workers (ranks 2 and 3): a share of the CPU each used over 5 s (at most ``QUOTA``, at least the
+    kernel's 1 %), so their compute outgrows the steps' padding on a quiet machine as on a loaded one (a
+    fixed 3 % slowed a quiet machine's job by only a quarter, and no node was named)."""
     first = ckpt / f"ckpt-{SLOW_AFTER_STEP:06d}"
     _wait(tb, job, f"{first.name}", lambda: first.exists() or first.with_suffix(".pt").exists(), deadline)
-    for rank in (2, 3):
-        cpu_quota(int((tmp_path / "pids" / f"rank-{rank}").read_text()), QUOTA)
+    workers = [psutil.Process(int((tmp_path / "pids" / f"rank-{rank}").read_text())) for rank in (2, 3)]
+    before = [sum(w.cpu_times()[:2]) for w in workers]
+    time.sleep(5)
+    for w, used in zip(workers, before, strict=True):
+        share = (sum(w.cpu_times()[:2]) - used) / 5 * USED_SHARE
+        cpu_quota(w.pid, min(QUOTA, max(0.01, share)))
 
 
 def _wait_ended(tb: Testbed, job: str, deadline: float) -> dict[str, str]:
