@@ -11,7 +11,7 @@ moves it, each beside what the machine can do at best:
 * ``restore``: :func:`hpcelastic.tier.channel.get` from a :class:`~hpcelastic.tier.channel.DataServer` in
   another process (a spare fetching its part from its peer's replica), every file MACed both ways;
 * ``replicate``: :func:`~hpcelastic.tier.channel.put` of the same part, unthrottled (its speed limit);
-* ``persist``: the tier's copy into the shared directory (``sendfile`` in chunks, as the agent copies; like
+* ``persist``: the tier's copy into the shared directory (the agent's own ``copy_file``, unthrottled; like
   the agent, no sync), onto this machine's disk under ``--shared`` standing in for the shared filesystem;
 * ``read shared``: the part read back from that directory, written back and dropped from the page cache
   first (``sync``, ``posix_fadvise(DONTNEED)``, not timed): what a spare without a replica reads instead.
@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._results import machine_line, update_section  # noqa: E402
 from hpcelastic.tier import channel  # noqa: E402
+from hpcelastic.tier.node import copy_file  # noqa: E402
 
 SECRET = "bench-tier-channel-secret"
 NAME, POSITION = "ckpt-000100", "0"
@@ -175,16 +176,13 @@ def replicate(files: list[channel.FileRef], port: int) -> Callable[[], None]:
 
 
 def persist(files: list[channel.FileRef], dest: Path) -> Callable[[], None]:
+    unthrottled = channel.Throttle(float(1 << 40))
+
     def run() -> None:
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
-        for f in files:  # the tier's own copy (LocalTier._copy_file): sendfile in CHUNK pieces
-            with open(f.path, "rb") as fin, open(dest / f.rel, "wb") as fout:
-                offset = 0
-                while offset < f.size:
-                    offset += os.sendfile(
-                        fout.fileno(), fin.fileno(), offset, min(channel.CHUNK, f.size - offset)
-                    )
+        for f in files:  # the agent's own persist copy, unthrottled
+            copy_file(f.path, dest / f.rel, unthrottled)
 
     return run
 

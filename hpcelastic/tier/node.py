@@ -437,7 +437,7 @@ class LocalTier:
                 target = dest / f.rel
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 written.append(target)
-                self._copy_file(f.path, target)
+                copy_file(f.path, target, self.throttle)
                 if os.stat(target).st_size != f.size:
                     raise OSError(f"{f.rel} changed while it was persisted")
         except OSError as e:
@@ -448,20 +448,6 @@ class LocalTier:
             self.send(messages.TierHave(name, position, "persist_failed", why=why))
             return
         self.send(messages.TierHave(name, position, "persisted"))
-
-    def _copy_file(self, src: Path, dest: Path) -> None:
-        """Copy ``src`` to ``dest`` in throttled chunks (``sendfile``: no copy through Python; unlike
-        ``copy_file_range`` it works from tmpfs to another filesystem on every kernel)."""
-        with open(src, "rb") as fin, open(dest, "wb") as fout:
-            size = os.fstat(fin.fileno()).st_size
-            offset = 0
-            while offset < size:
-                n = min(channel.CHUNK, size - offset)
-                self.throttle.take(n)
-                copied = os.sendfile(fout.fileno(), fin.fileno(), offset, n)
-                if copied <= 0:
-                    raise OSError(f"copying {src} stopped at byte {offset} of {size}")
-                offset += copied
 
     def _commit(self, msg: messages.TierCommit) -> None:
         """Every part is in the shared staging directory: move it into place and publish it."""
@@ -902,3 +888,18 @@ def published_size(run_dir: RunDir) -> int:
             with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(folder, f))
     return total
+
+
+def copy_file(src: Path, dest: Path, throttle: channel.Throttle) -> None:
+    """Copy ``src`` to ``dest`` in throttled chunks, as a persist does (``sendfile``: no copy through Python;
+    unlike ``copy_file_range`` it works from tmpfs to another filesystem on every kernel)."""
+    with open(src, "rb") as fin, open(dest, "wb") as fout:
+        size = os.fstat(fin.fileno()).st_size
+        offset = 0
+        while offset < size:
+            n = min(channel.CHUNK, size - offset)
+            throttle.take(n)
+            copied = os.sendfile(fout.fileno(), fin.fileno(), offset, n)
+            if copied <= 0:
+                raise OSError(f"copying {src} stopped at byte {offset} of {size}")
+            offset += copied
