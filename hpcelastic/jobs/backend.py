@@ -122,6 +122,10 @@ def submit_request(
         if Path(spec.checkpoint_dir).is_relative_to(run.path):
             Path(spec.checkpoint_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         run.write_meta(_meta(request, backend.name))
+        if spec.container is not None and spec.container.runtime == "oci":
+            from hpcelastic.jobs import container
+
+            container.make_mount_points(extra_files[f"{container.OCI_BUNDLE_DIR}/config.json"])
     except BaseException:
         shutil.rmtree(created_root or run.path, ignore_errors=True)
         raise

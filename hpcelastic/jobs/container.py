@@ -227,6 +227,29 @@ def oci_bundle(image: str, mounts: Sequence[str], workdir: str) -> bytes:
     return (json.dumps(config, indent=2) + "\n").encode()
 
 
+def make_mount_points(config_json: bytes) -> None:
+    """Create, in the bundle's rootfs, each bind mount's destination that is missing, before the job
+    starts. Otherwise every node's runc creates it in the one shared rootfs at the same moment and all but
+    one can lose that race (``mkdirat ...: file exists``, the step fails); runc would create the same
+    empty directories itself. Best effort: a rootfs the submitter cannot write is left to runc."""
+    config = json.loads(config_json)
+    rootfs = Path(config["root"]["path"])
+    for m in config.get("mounts", []):
+        if m.get("type") != "bind" or not str(m.get("destination", "")).startswith("/"):
+            continue
+        dest = rootfs / m["destination"].lstrip("/")
+        try:
+            if os.path.lexists(dest):
+                continue
+            if Path(m["source"]).is_dir():
+                dest.mkdir(parents=True, exist_ok=True)
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.touch(exist_ok=True)
+        except OSError:
+            continue
+
+
 def check_release(container: Container | None, release: tuple[int, int] | None) -> None:
     """Refuse, before anything is submitted, a runtime this Slurm release cannot run the agents in:
     Slurm's OCI mode on 22.05 passes none of ``SLURM_PROCID``, ``SLURM_NODEID``, ``SLURM_LOCALID``,

@@ -132,10 +132,9 @@ def test_container_job_survives_a_crash_and_a_requeue(
     monkeypatch.setenv("PATH", env["PATH"])
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     run = tmp_path / "run"
-    if runtime == "oci":
-        # Both nodes' runc create the job directory's mount point in the one shared image root at the same
-        # moment, and one can lose that race (mkdirat: file exists): a site's image has its mount points.
-        (BUNDLE / "rootfs").resolve().joinpath(tmp_path.relative_to("/")).mkdir(parents=True, exist_ok=True)
+    mount_point = (BUNDLE / "rootfs").resolve().joinpath(tmp_path.relative_to("/"))
+    if mount_point.is_dir():  # an earlier run's (pytest reuses its temporary directories' names)
+        mount_point.rmdir()
     argv = submit_argv(run, str(site_file(tmp_path, runtime)))
     argv += ["--time", "10", "--nodes", "2", "--gpus-per-node", "2", str(TRAIN)]
     argv += [*train_args(STEPS), "--step-time", "0.2", "--out", str(tmp_path / "out")]
@@ -144,6 +143,8 @@ def test_container_job_survives_a_crash_and_a_requeue(
     assert proc.returncode == 0, proc.stderr
     job = str(json.loads(proc.stdout)["job_id"])
     script = (run / "job.sbatch").read_text()
+    # submit made the job's mount points in the shared rootfs, so no two nodes' runc race to make them
+    assert mount_point.is_dir() == (runtime == "oci")
     assert ("podman run --rm --network host" in script) == (runtime == "podman")
     assert (f"--container={run}/oci-bundle" in script) == (runtime == "oci")
 

@@ -142,6 +142,26 @@ def test_the_run_s_oci_bundle_adds_the_mounts_and_shares_the_network(tmp_path: P
         container.oci_bundle(str(tmp_path / "missing"), [], "/")
 
 
+def test_mount_points_are_made_in_the_rootfs_before_the_nodes_runc_race_for_them(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs" / "srv").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "mounts": []}))
+    data, conf = tmp_path / "data", tmp_path / "site.conf"
+    data.mkdir()
+    conf.write_text("x")
+    mounts = [f"{data}:/srv/data", f"{conf}:/etc/site.conf:ro", f"{tmp_path}/missing:/opt/m"]
+    container.make_mount_points(container.oci_bundle(str(bundle), mounts, "/"))
+    rootfs = bundle / "rootfs"
+    assert (rootfs / "srv" / "data").is_dir() and (rootfs / "etc" / "site.conf").is_file()
+    assert (rootfs / "opt" / "m").is_file()  # a missing source: runc would fail on it all the same
+    (rootfs / "srv").chmod(0o500)  # a rootfs the submitter cannot write is left to runc
+    try:
+        container.make_mount_points(container.oci_bundle(str(bundle), [f"{data}:/srv/other"], "/"))
+    finally:
+        (rootfs / "srv").chmod(0o700)
+    assert os.geteuid() == 0 or not (rootfs / "srv" / "other").exists()
+
+
 def test_slurm_22_05_oci_mode_is_refused(tmp_path: Path) -> None:
     oci = container.Container("oci", "/b")
     with pytest.raises(UserError, match="22.05's OCI mode"):
