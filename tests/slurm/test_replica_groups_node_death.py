@@ -96,7 +96,9 @@ def test_node_death_in_group_1_with_a_spare_group_1_restarts_on_it_and_heals(
     assert hostlist.expand_hostlist(rec["NodeList"]) == [n for n in given if n != victim], rec
     log = rd.events()
     assert [e["node"] for e in log.of(events.NODE_LOST)] == [victim]
-    (restart,) = log.of(events.REPLICA_GROUP_RESTARTING)
+    restarts = log.of(events.REPLICA_GROUP_RESTARTING)
+    assert len(restarts) == 1, [(e["event"], e.get("group"), e.get("reason"), e.get("node")) for e in log]
+    (restart,) = restarts
     assert restart["reason"] == "node_lost" and restart["nodes"] == given[3:5], restart
     assert not log.of(events.REPLICA_GROUP_DROPPED) and not log.of(events.RESTARTING)
     assert not log.of(events.REQUEUED) and len(log.of(events.ATTEMPT_STARTED)) == 1
