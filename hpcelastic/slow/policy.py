@@ -164,6 +164,7 @@ class Evidence:
     counted_until: float = -math.inf
     decayed_lost_s: float = 0.0  # lost seconds, halved every FLAP_HALF_LIFE_S, as of ``decayed_at``
     decayed_at: float = 0.0
+    first_at: float | None = None  # start of the first window naming it (``flap_rate``)
     kind: SlowKind | None = None  # the latest verdict's
     rank: int | None = None
     detail: str = ""
@@ -209,6 +210,7 @@ class Evidence:
             counted_until=max(self.counted_until, window.end),
             decayed_lost_s=self.decayed(now) + lost,
             decayed_at=now,
+            first_at=window.start if self.first_at is None else self.first_at,
             kind=verdict.kind if verdict else self.kind,
             rank=verdict.rank if verdict else self.rank,
             detail=verdict.detail if verdict else self.detail,
@@ -227,6 +229,7 @@ class Evidence:
             "counted_until": self.counted_until,
             "decayed_lost_s": self.decayed_lost_s,
             "decayed_at": self.decayed_at,
+            "first_at": self.first_at,
             "flap_reported": self.flap_reported,
             "qualified_at": self.qualified_at,
             "excluded": self.excluded,
@@ -364,8 +367,12 @@ def _flapping(ev: Evidence, history: SlowHistory, cost: float) -> bool:
 
 
 def flap_rate(ev: Evidence, now: float) -> float:
-    """A flapping node's recent loss rate (seconds lost a second): its decayed losses over their horizon."""
-    return ev.decayed(now) * math.log(2) / FLAP_HALF_LIFE_S
+    """A flapping node's recent loss rate (seconds lost a second): its decayed losses over the decayed time
+    since it was first named (at most their whole horizon, ``FLAP_HALF_LIFE_S / ln 2``): a node that cost
+    the job 80 % of its pace for the minute it was watched costs 80 %, not 1 % of an hour's horizon."""
+    span = max(0.0, now - (now if ev.first_at is None else ev.first_at))
+    horizon = FLAP_HALF_LIFE_S / math.log(2) * (1.0 - 0.5 ** (span / FLAP_HALF_LIFE_S))
+    return ev.decayed(now) / horizon if horizon > 0 else 0.0
 
 
 def qualifies(ev: Evidence, history: SlowHistory, cost: float) -> bool:

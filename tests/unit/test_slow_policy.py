@@ -4,6 +4,7 @@ spare; flapping only when it really costs; the ledger's lost time counts each se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -14,6 +15,8 @@ from hpcelastic.errors import UserError
 from hpcelastic.lifecycle.policy import Capacity, capped_exclusion
 from hpcelastic.slow.policy import (
     FLAP_COST_FACTOR,
+    FLAP_HALF_LIFE_S,
+    Evidence,
     JobView,
     Order,
     SlowAction,
@@ -22,6 +25,7 @@ from hpcelastic.slow.policy import (
     SlowSettings,
     Spare,
     decide,
+    flap_rate,
     lost_s,
     observe,
     slow_time_s,
@@ -176,6 +180,18 @@ def test_flapping_acts_only_when_it_really_costs() -> None:
     lost = sum(7.0 for i in range(first[0][0] + 1) if i % 5 < 2)
     assert lost >= FLAP_COST_FACTOR * 60.0
     assert _orders(out, Order.SWAP) == [(first[0][0], "n1")]  # a checkpoint every window here
+
+
+def test_a_node_named_only_lately_is_charged_its_rate_while_watched_not_over_an_hour() -> None:
+    # A link slowing the job to 20 % leaves too few collectives in one window of two to name the node
+    # (bench/slow_localization.py's network part): named every other window for 2 minutes.
+    ev = Evidence()
+    for i in range(int(120 / W_S)):
+        w = _window(i, 0.2)
+        ev = ev.seen(w, 0.8, 5, None) if i % 2 == 0 else ev.seen(w, None, 5)
+    assert 0.3 < flap_rate(ev, 120.0) < 0.5  # half of the time at 80 %; over the hour's horizon it was 2 %
+    later = FLAP_HALF_LIFE_S * 20  # long after: the whole horizon, as before
+    assert flap_rate(ev, later) == pytest.approx(ev.decayed(later) * math.log(2) / FLAP_HALF_LIFE_S, rel=1e-6)
 
 
 def test_flapping_under_a_job_wide_slowdown_is_not_the_node() -> None:
