@@ -7,7 +7,9 @@ slowed the way the kernel slows a node (a cgroup v1 CPU quota on their processes
 used, at most 3 %). The coordinator names that node (kind compute), and right after a checkpoint the node
 leaves and the spare takes its place: the job completes inside its allocation (Slurm's view: COMPLETED,
 Restarts 0, all three nodes in its NodeList), with the fault-free model, the slow node among the attempt's bad
-nodes (excluded had it been requeued) and the slow time in the ledger.
+nodes and the slow time in the ledger. With ``--slow-action exclude`` and no spare the node stays until the job
+is stopped and requeued: Slurm's record of the requeued job then excludes it (ExcNodeList), and the job
+completes on the two other nodes (Restarts 1) with the fault-free model.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ def _record(tb: Testbed, job: str) -> dict[str, str]:
     return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
 
 
-def _submit(tb: Testbed, tmp_path: Path, *flags: str) -> tuple[str, Path, Path]:
-    """The unchanged script on two nodes and a spare; its job id, run and checkpoint directories."""
+def _submit(tb: Testbed, tmp_path: Path, action: str = "swap", spares: int = 1) -> tuple[str, Path, Path]:
+    """The unchanged script on two nodes and ``spares``; its job id, run and checkpoint directories."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    argv = submit_argv(run) + ["--time", "15", "--nodes", "2", "--spare-nodes", "1", "--nproc-per-node", "2"]
-    argv += ["--checkpoint-dir", str(ckpt), "--slow-action", "swap", *flags]
+    argv = submit_argv(run) + ["--time", "15", "--nodes", "2", "--spare-nodes", str(spares)]
+    argv += ["--nproc-per-node", "2", "--checkpoint-dir", str(ckpt), "--slow-action", action]
     argv += train_args(tmp_path, ckpt, STEPS)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -107,3 +109,29 @@ def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: 
     assert len(resumed) == 1 and resumed[0] >= SLOW_AFTER_STEP, resumed  # the swap's restart
     assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS, resumed=resumed)
     assert status_json(str(run))["ledger"]["badput_by_cause"].get("slow", 0) > 10
+
+
+def test_a_slow_node_is_excluded_when_the_job_is_requeued(tb: Testbed, tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+    """``--slow-action exclude`` and no spare: the slow node is kept while the job runs (no swap); when the
+    job is stopped and requeued (the stop signal, as a preemption sends it), Slurm's record of the requeued
+    job excludes it, the job resumes on the two other nodes and completes with the fault-free model."""
+    job, run, ckpt = _submit(tb, tmp_path, action="exclude", spares=0)
+    deadline = time.monotonic() + 900
+    _slow_second_node(tb, job, tmp_path, ckpt, cpu_quota, deadline)
+    ordered = lambda: [e for e in named(events(run), "node_slow") if e["action"] == "exclude"]  # noqa: E731
+    _wait(tb, job, "the exclusion ordered", ordered, deadline)
+    slow_node = named(events(run), "rendezvous")[0]["hosts"][1]
+    assert [e["node"] for e in ordered()] == [slow_node], ordered()
+    tb.slurm("scancel", "--signal=USR2", "--batch", job)
+    _wait(tb, job, "the requeued attempt", lambda: len(named(events(run), "attempt_started")) > 1, deadline)
+    rec = _record(tb, job)
+    assert slow_node in tb.slurm("scontrol", "show", "hostnames", rec["ExcNodeList"]).split(), rec
+    rec = _wait_ended(tb, job, deadline)
+    evs = events(run)
+    assert rec["JobState"] == "COMPLETED" and rec["Restarts"] == "1", rec
+    assert slow_node not in tb.slurm("scontrol", "show", "hostnames", rec["NodeList"]).split(), rec
+    assert not [e for e in named(evs, "node_slow") if e["action"] == "swap"], named(evs, "node_slow")
+    assert [e["reason"] for e in named(evs, "attempt_ended")] == ["preempted", "succeeded"]
+    resumed = resumed_steps(tmp_path)
+    assert len(resumed) == 1 and resumed[0] >= SLOW_AFTER_STEP, resumed  # the requeue's resume
+    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS, resumed=resumed)
