@@ -32,7 +32,7 @@ BEFORE = "566b925"
 _OLD_LEDGER = (
     "import json, sys\n"
     "from hpcelastic.rundir import RunDir\n"
-    "from hpcelastic.ledger import build_ledger\n"
+    "from hpcelastic.record.ledger import build_ledger\n"
     "(inc,) = build_ledger(RunDir(sys.argv[1]).events()).incidents\n"
     "print(json.dumps({'redone_work_s': inc.redone_work_s, 'redone_steps': inc.redone_steps}))\n"
 )

@@ -479,7 +479,7 @@ class EventLog(Sequence[Record]):
         return {r["attempt"] for r in self.of(CHECKPOINT_PUBLISHED) if isinstance(r.get("attempt"), int)}
 
 
-# ---- training progress (appended for the lost-time ledger, hpcelastic/ledger.py) -------------
+# ---- training progress (appended for the lost-time ledger, hpcelastic/record/ledger.py) -------------
 class ProgressMark(Named):
     """Which kind of ``progress`` event: the round's first step, a periodic mark, or the round's last."""
 

@@ -360,7 +360,7 @@ def export_metrics(
     had costs the figures, never the job."""
     if spec.metrics_port is None:
         return
-    from hpcelastic.metrics import Exporter, Identity
+    from hpcelastic.record.metrics import Exporter, Identity
 
     ident = Identity(rdzv.run_dir.run_id, ctx.job_id or rdzv.run_dir.local_job_id, slurm.sluid(environ))
     try:

@@ -42,9 +42,9 @@ def write_atomically(path: Path, text: str) -> None:
 def report(run: str, output: Path | None) -> None:
     """Write an HTML page of where the run's time went: a timeline of attempts, rounds, failures and
     checkpoints, and the lost time by cause. One file, viewable offline in any browser."""
-    from hpcelastic.ledger import ratio_text
-    from hpcelastic.report import render_report
-    from hpcelastic.status import build_status
+    from hpcelastic.record.ledger import ratio_text
+    from hpcelastic.record.report import render_report
+    from hpcelastic.record.status import build_status
 
     rd = resolve_run(run)
     log = rd.events()

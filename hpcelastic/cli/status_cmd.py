@@ -19,7 +19,7 @@ FOLLOW_POLL_S = 0.5
 
 def resolve_run(target: str | None) -> RunDir:
     """A run directory from a path, a Slurm job id (via the run index) or, if None, the latest run."""
-    from hpcelastic import runindex
+    from hpcelastic.record import runindex
 
     if target is None:
         latest = runindex.latest_run()
@@ -44,7 +44,7 @@ def resolve_run(target: str | None) -> RunDir:
 @click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON.")
 def status(target: str | None, as_json: bool) -> None:
     """Show what happened to a run: attempts, failures, requeues, checkpoints, Slurm state."""
-    from hpcelastic.status import build_status, render_text
+    from hpcelastic.record.status import build_status, render_text
 
     st = build_status(resolve_run(target))
     if as_json:

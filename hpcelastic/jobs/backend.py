@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from hpcelastic import __version__, events, runindex
+from hpcelastic import __version__, events
 from hpcelastic.errors import SlurmError, UserError
 from hpcelastic.jobs import slurm
 from hpcelastic.jobs.render import JobRequest
+from hpcelastic.record import runindex
 from hpcelastic.rundir import RunDir, write_atomic
 
 BACKENDS = ("sbatch", "submitit")

@@ -31,8 +31,8 @@ from hpcelastic.lifecycle.classify import Stop, requeued_by_slurm, slurm_ending
 from hpcelastic.lifecycle.history import History
 from hpcelastic.lifecycle.policy import Action, AttemptEnd, Decision, RequeueMode, Settings
 from hpcelastic.reasons import JobEnd, Named, Reason, Requeuer
+from hpcelastic.record.runindex import record_job
 from hpcelastic.rundir import RunDir
-from hpcelastic.runindex import record_job
 
 DEFAULT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 #: How long past SlurmdTimeout a requeue waits for Slurm to mark a dead node of a GRES job DOWN.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hpcelastic import events, ledger
+from hpcelastic import events
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import JobState, Record, Send
 from hpcelastic.agent.stop_step import StepRate
@@ -25,6 +25,7 @@ from hpcelastic.lifecycle import history as history_mod
 from hpcelastic.lifecycle import policy
 from hpcelastic.lifecycle.finalize import recorded_exit
 from hpcelastic.reasons import Reason, Requeuer, SkipReason
+from hpcelastic.record import ledger
 
 Decide = Callable[[history_mod.History, policy.AttemptEnd, policy.Settings], policy.Decision]
 

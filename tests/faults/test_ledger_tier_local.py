@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcelastic.ledger import build_ledger
+from hpcelastic.record.ledger import build_ledger
 from hpcelastic.rundir import RunDir
 from tests.faults.test_checkpoint_tier_local import start_agents, tier_run
 from tests.slurm_utils import TRAIN

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hpcelastic.ledger import build_ledger
+from hpcelastic.record.ledger import build_ledger
 
 
 def test_crash_gives_progress_marks_and_a_measured_ledger(local_job, tmp_path) -> None:

@@ -22,8 +22,8 @@ from hpcelastic.lifecycle.executor import Executor, Outcome
 from hpcelastic.lifecycle.history import requeue_counts
 from hpcelastic.lifecycle.policy import AttemptEnd, Settings
 from hpcelastic.reasons import Reason, RequeueCounter
+from hpcelastic.record.runindex import lookup, record_job
 from hpcelastic.rundir import RunDir
-from hpcelastic.runindex import lookup, record_job
 
 pytestmark = pytest.mark.slurm
 

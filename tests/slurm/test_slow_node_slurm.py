@@ -7,8 +7,8 @@ slowed the way the kernel slows a node (a cgroup v1 CPU quota on their processes
 used, at most 3 %). The coordinator names that node (kind compute), and right after a checkpoint the node
 leaves and the spare takes its place: the job completes inside its allocation (Slurm's view: COMPLETED,
 Restarts 0, all three nodes in its NodeList), with the fault-free model, the slow node among the attempt's bad
-nodes and the slow time in the ledger. With ``--slow-action exclude`` and no spare the node stays until the job
-is stopped and requeued: Slurm's record of the requeued job then excludes it (ExcNodeList), and the job
+nodes and the slow time in the ledger. With ``--slow-action exclude`` and no spare the node stays until the
+job is stopped and requeued: Slurm's record of the requeued job then excludes it (ExcNodeList), and the job
 completes on the two other nodes (Restarts 1) with the fault-free model.
 """
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from hpcelastic import events, handoff
-from hpcelastic.ledger import build_ledger
 from hpcelastic.lifecycle.finalize import finalize
 from hpcelastic.lifecycle.history import History, attempt_root_cause
 from hpcelastic.reasons import Reason
+from hpcelastic.record.ledger import build_ledger
 from hpcelastic.rundir import RunDir
 
 DAMAGED = ["[1]", '"text"', "null", "7", '{"no_event": 1}', '{"event": 5}', "[]", '{"event": "x"', "\x00\x00"]

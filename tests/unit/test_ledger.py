@@ -9,8 +9,8 @@ import pytest
 
 from hpcelastic import events as ev
 from hpcelastic.events import Event, EventLog, ProgressMark
-from hpcelastic.ledger import IncidentKind, Ledger, Phase, build_ledger, ledger_lines
 from hpcelastic.reasons import Reason, RestartCause
+from hpcelastic.record.ledger import IncidentKind, Ledger, Phase, build_ledger, ledger_lines
 
 HOSTS = ["n1", "n2"]
 

@@ -10,9 +10,9 @@ import pytest
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog, ProgressMark
-from hpcelastic.ledger import Phase, build_ledger, ledger_lines
 from hpcelastic.reasons import Reason, RestartCause
-from hpcelastic.replica_ledger import GroupLane
+from hpcelastic.record.ledger import Phase, build_ledger, ledger_lines
+from hpcelastic.record.replica_lanes import GroupLane
 from tests.unit.test_ledger import ended, failure, ledger, rdzv, rec, spawned, step, succeed
 
 NODES = ["n1", "n2", "n3", "n4"]

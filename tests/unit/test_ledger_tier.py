@@ -18,7 +18,7 @@ import pytest
 from hpcelastic import events as ev
 from hpcelastic.agent.resume_watch import ResumeWatch, describe
 from hpcelastic.events import RestoreTier
-from hpcelastic.ledger import Phase, ledger_lines
+from hpcelastic.record.ledger import Phase, ledger_lines
 from tests.unit.test_ledger import (
     ckpt,
     crash_then,

@@ -1,5 +1,5 @@
-"""The run's figures as OpenMetrics (hpcelastic/metrics.py): pure over the log, parsed by a real parser,
-served and written where Prometheus and node-exporter read them."""
+"""The run's figures as OpenMetrics (hpcelastic/record/metrics.py): pure over the log, parsed by a real
+parser, served and written where Prometheus and node-exporter read them."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from hpcelastic.env import slurm
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import build_ledger
-from hpcelastic.metrics import Exporter, Identity, families
+from hpcelastic.record.ledger import build_ledger
+from hpcelastic.record.metrics import Exporter, Identity, families
 from hpcelastic.rundir import RunDir
 from tests.unit.test_ledger import worker_failure_run
 

@@ -16,9 +16,9 @@ import pytest
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog, ProgressMark
-from hpcelastic.ledger import build_ledger
 from hpcelastic.reasons import Reason
-from hpcelastic.report import render_report
+from hpcelastic.record.ledger import build_ledger
+from hpcelastic.record.report import render_report
 from tests.unit.test_ledger import (
     ckpt,
     ended,

@@ -13,9 +13,9 @@ import pytest
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import build_ledger
 from hpcelastic.reasons import Reason
-from hpcelastic.report import LABEL_CHARS, PHASE_COLOURS, Phase, render_report
+from hpcelastic.record.ledger import build_ledger
+from hpcelastic.record.report import LABEL_CHARS, PHASE_COLOURS, Phase, render_report
 from tests.unit.test_ledger import failure, rdzv, rec, spawned, start, succeed
 from tests.unit.test_report_browser import T0, _Dom, png_pixels, run_chromium, synthetic_run
 

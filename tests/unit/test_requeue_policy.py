@@ -243,7 +243,7 @@ def test_unreachable_slurmctld_retries_then_resubmits(
     counts = requeue_counts(rd.events())
     assert counts[RequeueCounter.PREEMPTED] == 1 and counts[RequeueCounter.FAILURE] == 0
     assert excluded_nodes(rd.events()) == ("node2",)
-    from hpcelastic.runindex import lookup
+    from hpcelastic.record.runindex import lookup
 
     assert lookup("4242") == rd.path
 

@@ -19,8 +19,8 @@ from hpcelastic.agent.messages import (
 )
 from hpcelastic.errors import UserError
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import build_ledger, slow_time_s
 from hpcelastic.reasons import Reason
+from hpcelastic.record.ledger import build_ledger, slow_time_s
 from hpcelastic.slow import policy, speed
 from hpcelastic.slow.policy import Order, SlowAction, SlowOrder, SlowSettings
 from hpcelastic.slow.verdict import PaceWindow, SlowKind

@@ -60,7 +60,7 @@ def test_status_of_unknown_job_id(env: dict[str, str]) -> None:
 
 def test_status_by_job_id_via_the_index(env: dict[str, str], run: RunDir) -> None:
     run.record(Event(EventName.SUBMITTED, {"job_id": "987655", "backend": "sbatch", "nodes": 1}))
-    code = f"from hpcelastic.runindex import record_job; record_job('987655', {str(run.path)!r})"
+    code = f"from hpcelastic.record.runindex import record_job; record_job('987655', {str(run.path)!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     out = hpce(env, "status", "987655", "--json")
     assert out.returncode == 0, out.stderr

@@ -11,8 +11,8 @@ import pytest
 from hpcelastic.errors import SlurmError
 from hpcelastic.events import Event, EventName
 from hpcelastic.jobs.slurm import JobState
+from hpcelastic.record.status import build_status, render_text
 from hpcelastic.rundir import RunDir
-from hpcelastic.status import build_status, render_text
 
 EVENTS = [
     {"ts": 100.0, "event": "submitted", "job_id": "11", "backend": "sbatch", "nodes": 2},

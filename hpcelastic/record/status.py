@@ -18,9 +18,9 @@ from hpcelastic import events
 from hpcelastic.errors import EXIT_CODE_MEANINGS, SlurmError
 from hpcelastic.events import EventLog, EventName
 from hpcelastic.jobs import slurm
-from hpcelastic.ledger import Ledger, build_ledger, ledger_lines
 from hpcelastic.lifecycle.evidence import written_checkpoints
 from hpcelastic.reasons import JobEnd, Reason
+from hpcelastic.record.ledger import Ledger, build_ledger, ledger_lines
 from hpcelastic.rundir import RunDir
 
 
@@ -49,7 +49,7 @@ class Status:
     timeline: list[Row] = field(default_factory=list)
     #: Lines of the event log that were skipped because they are not event objects.
     damaged_events: int = 0
-    #: Where the run's time went (``hpcelastic/ledger.py``); ``--json`` carries its ``to_json()``.
+    #: Where the run's time went (``hpcelastic/record/ledger.py``); ``--json`` carries its ``to_json()``.
     ledger: Ledger | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ A pure function of the event log (:func:`build_ledger`); ``hpcelastic status`` p
   processes' exit; before, this counted as productive). **Pending** (requeue to the next
   ``attempt_started``) lies between attempts.
 - With torchft replica groups (``--replica-groups``) the groups' rounds of one start are one round of
-  the job (a replica epoch, :mod:`hpcelastic.replica_ledger`): the job is productive while at least
+  the job (a replica epoch, :mod:`hpcelastic.record.replica_lanes`): the job is productive while at least
   one group steps, a failure that restarts one group only is that group's (its lane, not a job
   incident), and time when no group steps is charged to the groups' incident. ``replica_groups`` holds
   each group's lane and the replica figures (replica-step efficiency, as torchft reports it).
@@ -40,8 +40,6 @@ A pure function of the event log (:func:`build_ledger`); ``hpcelastic status`` p
 
 from __future__ import annotations
 
-import enum
-import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -49,9 +47,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic import events as ev
-from hpcelastic import replica_ledger as rl
 from hpcelastic.events import EventLog, Record
 from hpcelastic.reasons import Named, Reason
+from hpcelastic.record import replica_lanes as rl
+from hpcelastic.record.fields import plain, silence_s, step_field, ts_of
 from hpcelastic.tier.scan import step_of
 
 
@@ -115,7 +114,6 @@ _DECISIONS = (
     ev.JOB_SUCCEEDED,
     ev.JOB_FAILED,
 )
-_SILENCE = re.compile(r"no (?:heartbeat|progress) for (?:more than )?([0-9.]+) s")
 
 
 @dataclass(frozen=True)
@@ -235,12 +233,12 @@ def tier_completed(log: EventLog, name: str, before: float) -> tuple[float, int 
     """When the local tier knew its checkpoint ``name`` complete job-wide, and its step: its newest
     ``tier_checkpoint`` at or before ``before``, else its ``tier_persisted`` less the persist's duration. The
     save itself ended up to a scan interval (0.5 s) earlier; a copy's mtime is later (a restore made it)."""
-    done = [r for r in log.of(ev.TIER_CHECKPOINT, checkpoint=name) if (_ts(r) or before + 1) <= before]
+    done = [r for r in log.of(ev.TIER_CHECKPOINT, checkpoint=name) if (ts_of(r) or before + 1) <= before]
     if done:
-        return float(done[-1]["ts"]), _step(done[-1])
-    kept = [r for r in log.of(ev.TIER_PERSISTED, checkpoint=name) if (_ts(r) or before + 1) <= before]
+        return float(done[-1]["ts"]), step_field(done[-1])
+    kept = [r for r in log.of(ev.TIER_PERSISTED, checkpoint=name) if (ts_of(r) or before + 1) <= before]
     if kept:
-        return float(kept[-1]["ts"]) - (_ts(kept[-1], "duration_s") or 0.0), _step(kept[-1])
+        return float(kept[-1]["ts"]) - (ts_of(kept[-1], "duration_s") or 0.0), step_field(kept[-1])
     return None
 
 
@@ -250,12 +248,14 @@ def published_checkpoints(log: EventLog) -> list[Checkpoint]:
     persisted = {r.get("path"): r for r in log.of(ev.TIER_PERSISTED)}
     out = []
     for r in log.of(ev.CHECKPOINT_PUBLISHED):
-        t = _ts(r)
+        t = ts_of(r)
         if t is None:
             continue
         tier = persisted.get(r.get("path"))
-        done = tier_completed(log, str(tier.get("checkpoint")), _ts(tier) or t) if tier is not None else None
-        out.append(Checkpoint(done[0] if done else t, _step(r), r.get("attempt")))
+        done = (
+            tier_completed(log, str(tier.get("checkpoint")), ts_of(tier) or t) if tier is not None else None
+        )
+        out.append(Checkpoint(done[0] if done else t, step_field(r), r.get("attempt")))
     return sorted(out, key=lambda c: c.ts)
 
 
@@ -265,7 +265,7 @@ def written_only(log: EventLog, written: Sequence[tuple[str, float]]) -> list[Ch
     known = log.of(ev.CHECKPOINT_PUBLISHED, ev.TIER_PERSISTED)
     named = {Path(str(r["path"])).name for r in known if r.get("path")}
     named |= {str(r["checkpoint"]) for r in known if r.get("checkpoint")}
-    starts = [(t, r.get("attempt")) for r in log.of(ev.ATTEMPT_STARTED) if (t := _ts(r)) is not None]
+    starts = [(t, r.get("attempt")) for r in log.of(ev.ATTEMPT_STARTED) if (t := ts_of(r)) is not None]
     starts.sort(key=lambda s: s[0])
     out = []
     for name, done in written:
@@ -282,7 +282,7 @@ def resumed_from_heartbeats(log: EventLog, sl: EventLog, rounds: frozenset[int])
     first = [p for p in sl.of(ev.PROGRESS) if p.get("round") in rounds and isinstance(p.get("step"), int)]
     if not first:
         return None
-    step = min(first, key=lambda p: _ts(p, "step_ts") or 0.0)["step"] - 1
+    step = min(first, key=lambda p: ts_of(p, "step_ts") or 0.0)["step"] - 1
     return Resumed(ResumeSource.HEARTBEATS, step=step, what=f"after step {step}")
 
 
@@ -296,12 +296,12 @@ def resumed_from_opened(log: EventLog, sl: EventLog, rounds: frozenset[int]) -> 
     )
     if opened is None:
         return None
-    path, mtime = str(opened["path"]), _ts(opened, "completed_ts")
-    tier = tier_completed(log, path, _ts(opened) or float("inf"))
+    path, mtime = str(opened["path"]), ts_of(opened, "completed_ts")
+    tier = tier_completed(log, path, ts_of(opened) or float("inf"))
     if tier is None and mtime is None:
         return None
     completed = min(t for t in (mtime, tier[0] if tier else None) if t is not None)
-    begun = [t for r in sl.of(ev.RENDEZVOUS) if r.get("round") in rounds and (t := _ts(r)) is not None]
+    begun = [t for r in sl.of(ev.RENDEZVOUS) if r.get("round") in rounds and (t := ts_of(r)) is not None]
     if begun and completed >= min(begun):  # the round's own save, read by someone (the tier's scan)
         return None
     return Resumed(
@@ -319,10 +319,10 @@ def resumed_from_restore(log: EventLog, sl: EventLog, rounds: frozenset[int]) ->
     name = str(restored.get("checkpoint") or "")
     if restored.get("tier") == ev.RestoreTier.NONE or not name:
         return Resumed(ResumeSource.TIER_RESTORED, step=0, completed_ts=float("-inf"), what="nothing")
-    at = _ts(restored) or float("inf")
+    at = ts_of(restored) or float("inf")
     done = tier_completed(log, name, at)
     if done is None:
-        step = _step(restored)
+        step = step_field(restored)
         found = [c.ts for c in published_checkpoints(log) if c.step == step and c.ts <= at]
         done = (found[-1], step) if step is not None and found else None
     if done is None:
@@ -377,10 +377,10 @@ class Ledger:
         return self.productive_s / total if total > 0 else None
 
     def to_json(self) -> dict[str, Any]:
-        out = _plain(asdict(self))
+        out = plain(asdict(self))
         out["incidents"] = [
             {
-                **_plain(asdict(i)),
+                **plain(asdict(i)),
                 "lost_s": i.lost_s,
                 "redone_work_s": i.redone_work_s if i.redone_source else None,
             }
@@ -391,26 +391,6 @@ class Ledger:
         )
         out["replica_groups"] = self.replica_groups.to_json() if self.replica_groups is not None else None
         return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _ts(r: Record | None, key: str = "ts") -> float | None:
-    v = r.get(key) if r is not None else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def _step(r: Record) -> int | None:
-    v = r.get("step")
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _failure_text(r: Record) -> str:
@@ -468,7 +448,9 @@ class _Builder:
     def _slices(self) -> list[EventLog]:
         """The events of each attempt: from its ``attempt_started`` to the next one."""
         records = list(self.log)
-        starts = [i for i, r in enumerate(records) if r["event"] == ev.ATTEMPT_STARTED and _ts(r) is not None]
+        starts = [
+            i for i, r in enumerate(records) if r["event"] == ev.ATTEMPT_STARTED and ts_of(r) is not None
+        ]
         if not starts:
             return []
         ends = [*starts[1:], len(records)]
@@ -479,7 +461,9 @@ class _Builder:
         """The ``step_ts`` of the ``progress`` events of a round (an int) or of a set of rounds."""
         match = rounds if isinstance(rounds, frozenset) else frozenset([rounds])
         return [
-            t for p in sl.of(ev.PROGRESS) if p.get("round") in match and (t := _ts(p, "step_ts")) is not None
+            t
+            for p in sl.of(ev.PROGRESS)
+            if p.get("round") in match and (t := ts_of(p, "step_ts")) is not None
         ]
 
     @classmethod
@@ -490,7 +474,7 @@ class _Builder:
     @staticmethod
     def _job_rounds(sl: EventLog, epochs: list[rl.Epoch]) -> list[tuple[Record, frozenset[int]]]:
         """The job's rounds: each ``rendezvous``, except that a replica epoch is one round of the job."""
-        rdzvs = [r for r in sl.of(ev.RENDEZVOUS) if isinstance(r.get("round"), int) and _ts(r) is not None]
+        rdzvs = [r for r in sl.of(ev.RENDEZVOUS) if isinstance(r.get("round"), int) and ts_of(r) is not None]
         in_epoch = {r: e for e in epochs for r in e.all_rounds}
         out: list[tuple[Record, frozenset[int]]] = []
         for r in rdzvs:
@@ -506,7 +490,7 @@ class _Builder:
         samples = []
         for sl in self.slices:
             for w in sl.of(ev.WORKERS_STARTED):
-                first, spawned = self._measured_first(sl, w.get("round")), _ts(w, "spawned_ts")
+                first, spawned = self._measured_first(sl, w.get("round")), ts_of(w, "spawned_ts")
                 if first is not None and spawned is not None and first >= spawned:
                     samples.append(first - spawned)
         return statistics.median(samples) if samples else 0.0
@@ -520,12 +504,12 @@ class _Builder:
             return min(max(measured, rd_ts), end), False
         if sl.of(ev.PROGRESS):  # heartbeats arrived in this attempt, and none in this round
             return None, False
-        spawned = _ts(sl.first(ev.WORKERS_STARTED, round=rnd), "spawned_ts")
+        spawned = ts_of(sl.first(ev.WORKERS_STARTED, round=rnd), "spawned_ts")
         if spawned is None:
             return None, True
         # A round that read its checkpoint had not stepped before: training follows the load.
         opened = [
-            t for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and (t := _ts(r)) is not None
+            t for r in sl.of(ev.CHECKPOINT_OPENED) if r.get("round") in rounds and (t := ts_of(r)) is not None
         ]
         first = max(spawned + self.init_s, rd_ts, *opened)
         return (first if first < end else None), True
@@ -575,7 +559,7 @@ class _Builder:
                 for p in sl.of(ev.PROGRESS)
                 if p.get("round") in rounds
                 and isinstance(p.get("step"), int)
-                and (t := _ts(p, "step_ts")) is not None
+                and (t := ts_of(p, "step_ts")) is not None
                 and t <= t_fail
             ]
             # a checkpoint published in the round is a step reached by then, too
@@ -616,32 +600,32 @@ class _Builder:
             return None
         rnd = cause["round"]
         error = str(cause.get("error") or "")
-        exit_ts = _ts(cause, "exit_ts") or _ts(cause) or rd_ts
+        exit_ts = ts_of(cause, "exit_ts") or ts_of(cause) or rd_ts
         estimated: list[str] = []
         detected = sl.first(ev.WORKER_FAILED, round=rnd)
         if cause.get("rank") is None:  # a whole node: its agent went silent, closed or left
             kind = IncidentKind.NODE_UNHEALTHY if "unhealthy" in error else IncidentKind.NODE_LOSS
-            lost = [r for r in sl.of(ev.NODE_LOST, node=cause.get("node")) if (_ts(r) or 0.0) >= rd_ts]
+            lost = [r for r in sl.of(ev.NODE_LOST, node=cause.get("node")) if (ts_of(r) or 0.0) >= rd_ts]
             detected = lost[0] if lost else None
-            silent = _SILENCE.search(str(detected.get("reason")) if detected else error)
-            t_fail = (_ts(detected) or exit_ts) - (float(silent.group(1)) if silent else 0.0)
+            silent = silence_s(str(detected.get("reason")) if detected else error)
+            t_fail = (ts_of(detected) or exit_ts) - (silent or 0.0)
         elif error.startswith("stalled"):
             kind = IncidentKind.STALL
-            silent = _SILENCE.search(error)
-            t_fail = exit_ts - (float(silent.group(1)) if silent else 0.0)
-            if not silent:
+            silent = silence_s(error)
+            t_fail = exit_ts - (silent or 0.0)
+            if silent is None:
                 estimated.append("detection_s")
         else:
             kind, t_fail = IncidentKind.WORKER_FAILURE, exit_ts
         inc = Incident(kind, _failure_text(cause), attempt, rnd, t_fail, estimated=estimated)
-        return _Failure(inc, _ts(detected) or _ts(cause) or t_fail, _ts(cause))
+        return _Failure(inc, ts_of(detected) or ts_of(cause) or t_fail, ts_of(cause))
 
     def _end_failure(
         self, sl: EventLog, reason: Reason | None, attempt: int, rnd: int | None, since: float, end: float
     ) -> _Failure:
         """An attempt that ended badly without a root cause in its last round."""
         kind = _END_KIND.get(reason, IncidentKind.UNKNOWN) if reason else IncidentKind.UNKNOWN
-        after = [r for r in sl if (_ts(r) or 0.0) >= since]
+        after = [r for r in sl if (ts_of(r) or 0.0) >= since]
         if kind in (IncidentKind.PREEMPTION, IncidentKind.TIME_LIMIT):
             first = next((r for r in after if r["event"] == ev.SIGNAL_RECEIVED), None)
             cause = f"{first.get('signal')} received: {reason}" if first else str(reason)
@@ -656,7 +640,7 @@ class _Builder:
                     f" ({first.get('node')}: {detail})" if first["event"] == ev.NODE_LOST else f" ({detail})"
                 )
             cause = what
-        t_fail = _ts(first)
+        t_fail = ts_of(first)
         inc = Incident(kind, cause, attempt, rnd, t_fail if t_fail is not None else end)
         if t_fail is None:
             inc.estimated.append("t_fail")
@@ -754,8 +738,8 @@ class _Builder:
         a_start = float(started["ts"])
         ended = sl.last(ev.ATTEMPT_ENDED)
         reason = Reason.parse(ended.get("reason")) if ended else None
-        decided = [t for r in sl.of(*_DECISIONS) if (t := _ts(r)) is not None]
-        seen = [t for r in sl if (t := _ts(r)) is not None]
+        decided = [t for r in sl.of(*_DECISIONS) if (t := ts_of(r)) is not None]
+        seen = [t for r in sl if (t := ts_of(r)) is not None]
         if decided:
             a_end = max(decided)
         elif last and self.now is not None:
@@ -775,7 +759,7 @@ class _Builder:
             f = self._round_failure(sl, members, rd_ts, attempt, by_rounds.get(members))
             if f is None and final and badly:
                 # In a replica epoch, a group's failure that healed is not what ended the attempt.
-                healed = [t for r in sl.of(ev.REPLICA_GROUP_HEALED) if (t := _ts(r)) is not None]
+                healed = [t for r in sl.of(ev.REPLICA_GROUP_HEALED) if (t := ts_of(r)) is not None]
                 since = max([rd_ts, *healed]) if len(members) > 1 else rd_ts
                 f = self._end_failure(sl, reason, attempt, rnd, since, a_end)
             round_end = min(f.incident.t_fail, a_end) if f else a_end
@@ -876,7 +860,7 @@ class _Builder:
     # ---- the whole log ------------------------------------------------------------------------
     def build(self) -> Ledger:
         recovering: int | None = None
-        submitted = _ts(self.log.first(ev.SUBMITTED))
+        submitted = ts_of(self.log.first(ev.SUBMITTED))
         queued = 0.0
         if self.slices and submitted is not None:
             queued = max(0.0, float(self.slices[0][0]["ts"]) - submitted)
@@ -904,7 +888,7 @@ class _Builder:
         """After the last attempt: the job ended, or it waits for its next allocation."""
         inc, last = self.incidents[recovering], self.attempts[-1]
         finished = self.log.last(ev.JOB_SUCCEEDED, ev.JOB_FAILED, ev.CANCELLED)
-        if finished is not None and (_ts(finished) or 0.0) >= last.start:
+        if finished is not None and (ts_of(finished) or 0.0) >= last.start:
             return
         inc.recovery = "in_progress"
         if last.end_reason is not None and self.now is not None:

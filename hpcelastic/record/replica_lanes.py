@@ -1,6 +1,6 @@
 """The lost-time ledger of torchft replica groups: one timeline per group, and the job's replica figures.
 
-Pure functions of one attempt's events, used by :mod:`hpcelastic.ledger`. With ``--replica-groups R``
+Pure functions of one attempt's events, used by :mod:`hpcelastic.record.ledger`. With ``--replica-groups R``
 the coordinator opens the first R rounds in one go (R ``rendezvous`` events, one per group, in group
 order; a group without nodes has a ``replica_group_dropped`` instead): that burst starts an **epoch**,
 and every later ``replica_group_restarting`` names the group of the round it opens. A job-wide restart
@@ -27,22 +27,16 @@ dropped or still restarting at the end, the job's steps after its failure, estim
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog, Record
+from hpcelastic.record.fields import plain, silence_s, ts_of
 
-_SILENCE = re.compile(r"no (?:heartbeat|progress) for (?:more than )?([0-9.]+) s")
 #: Rendezvous events of one start burst are written within this many seconds of each other.
 _BURST_S = 1.0
-
-
-def ts_of(r: Record | None, key: str = "ts") -> float | None:
-    v = r.get(key) if r is not None else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 @dataclass
@@ -196,15 +190,13 @@ def _failure_of(
         detected = min(ts_of(r) or 0.0 for r in failed)
         t_fail = ts_of(first, "exit_ts") or detected
         if error.startswith("stalled"):  # a hang: dated back by the silence it names
-            silent = _SILENCE.search(error)
-            options.append(("stall", error, t_fail - (float(silent.group(1)) if silent else 0.0), detected))
+            options.append(("stall", error, t_fail - (silence_s(error) or 0.0), detected))
         else:
             options.append(("worker_failure", cause, t_fail, detected))
     if lost:
         first = lost[0]
-        silent = _SILENCE.search(str(first.get("reason") or ""))
         seen = ts_of(first) or t0
-        t_fail = seen - (float(silent.group(1)) if silent else 0.0)
+        t_fail = seen - (silence_s(str(first.get("reason") or "")) or 0.0)
         options.append(("node_loss", f"{first.get('node')}: {first.get('reason')}", t_fail, seen))
     return min(options, key=lambda o: o[2]) if options else None
 
@@ -373,20 +365,12 @@ class ReplicaFigures:
         return self.replica_steps_committed / self.replica_steps_possible
 
     def to_json(self) -> dict[str, Any]:
-        out = _plain(asdict(self))
+        out = plain(asdict(self))
         out["replica_step_efficiency"] = self.replica_step_efficiency
         for lane, data in zip(self.lanes, out["lanes"], strict=True):
             for inc, d in zip(lane.incidents, data["incidents"], strict=True):
                 d["lost_s"] = inc.lost_s
         return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 _LOST = ("detection", "teardown", "rendezvous", "restart")

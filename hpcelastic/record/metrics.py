@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import Ledger, build_ledger
+from hpcelastic.record.ledger import Ledger, build_ledger
 from hpcelastic.rundir import RunDir, write_json_atomic
 
 PREFIX = "hpcelastic"

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from hpcelastic import events as ev
 from hpcelastic.events import EventLog
-from hpcelastic.ledger import (
+from hpcelastic.record.ledger import (
     Incident,
     IncidentKind,
     Ledger,
@@ -25,7 +25,7 @@ from hpcelastic.ledger import (
     ratio_text,
     redone_text,
 )
-from hpcelastic.replica_ledger import GroupLane, ReplicaFigures
+from hpcelastic.record.replica_lanes import GroupLane, ReplicaFigures
 
 #: Bar colour per cause (the incident kind, ``productive``, ``startup``).
 CAUSE_COLOURS = {
