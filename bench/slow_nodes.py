@@ -14,7 +14,7 @@ with the unchanged DDP script of the tests (``tests/faults/slow_train.py``: plai
 
 Writes the ``slow_nodes`` section of bench/RESULTS.md. Needs root (cgroup v1 ``cpu``).
 
-    python bench/slow_nodes.py [--runs 3] [--detect-runs 1] [--cost-steps 400]
+    python bench/slow_nodes.py [--runs 3] [--detect-runs 3] [--cost-steps 400]
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ STEPS = 900
 SPEEDS = (0.5, 0.7, 0.85)
 #: How long a run may take at most.
 RUN_TIMEOUT_S = 900
+#: A slowed run ends this long after the swap (the rate after it is measured over that time), or this long
+#: after the quota with no node named (more than twice the detection time at 50 %).
+AFTER_S = 60.0
+NOTHING_S = 150.0
 
 
 def _events(run: Path) -> list[dict[str, Any]]:
@@ -86,6 +90,17 @@ def _release(group: Path) -> None:
     group.rmdir()
 
 
+def _seen_enough(run: Path, slowed_at: float) -> bool:
+    """A run has shown what it can once the spare has trained :data:`AFTER_S` in the slow node's place, or
+    once :data:`NOTHING_S` passed with no node named (at 85 % nothing is to be named)."""
+    evs = _events(run)
+    lost = next((e for e in evs if e["event"] == "node_lost"), None)
+    if lost is not None:
+        return time.time() > lost["ts"] + AFTER_S
+    named = any(e["event"] == "node_slow" for e in evs)
+    return not named and time.time() > slowed_at + NOTHING_S
+
+
 def detect(speed: float) -> dict[str, Any]:
     """One slowed run (see the module docstring)."""
     tmp = Path(tempfile.mkdtemp(prefix="hpcelastic-bench-slow-"))
@@ -112,10 +127,16 @@ def detect(speed: float) -> dict[str, Any]:
         for p in pids:
             groups.append(_quota(p, per_step[p] * speed / healthy_step_s, "detect"))
         slowed_at = time.time()
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        while proc.poll() is None and time.monotonic() < deadline and not _seen_enough(run, slowed_at):
+            time.sleep(1)
+        code = proc.poll()  # None: the bench stopped it once it had seen enough
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.terminate()  # hpcelastic run stops its agents and workers on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         for g in groups:
             _release(g)
     evs = _events(run)
@@ -173,10 +194,29 @@ def _f(value: Any, fmt: str = "{:.0f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def _summary(speed: float, runs: list[dict[str, Any]]) -> str:
+    """One speed's row over its runs: medians, and how many named the slowed node with kind compute."""
+    named = [r["named_s"] for r in runs if r["named_s"] is not None]
+    span = f" ({min(named):.0f}-{max(named):.0f})" if len(named) > 1 else ""
+    right = sum(1 for r in runs if r["named"] and r["right_node"] and r["named"].endswith("compute"))
+    return (
+        f"| {speed:.0%} | {len(runs)} | {_f(_median(runs, 'speed'), '{:.0%}')} | "
+        f"{_f(_median(runs, 'drop_s'))} | "
+        f"{_f(_median(runs, 'named_s'))}{span} | {right} of {len(runs)} | "
+        f"{sum(1 for r in runs if r['swapped'])} of {len(runs)} | {_f(_median(runs, 'swap_cost_s'))} | "
+        f"{_f(_median(runs, 'after_share'), '{:.0%}')} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of each cost configuration")
-    parser.add_argument("--detect-runs", type=int, default=1, help="slowed runs at each speed")
+    parser.add_argument("--detect-runs", type=int, default=3, help="slowed runs at each speed")
     parser.add_argument("--cost-steps", type=int, default=400)
     args = parser.parse_args()
     results = []
@@ -192,6 +232,7 @@ def main() -> None:
             walls[k].append(cost(k, args.cost_steps))
             print(k, f"{walls[k][-1]:.1f} s", flush=True)
     med = {k: statistics.median(v) for k, v in walls.items()}
+    summary = [_summary(speed, [r for r in results if r["speed_target"] == speed]) for speed in SPEEDS]
     rows = [
         f"| {r['speed_target']:.0%} | {_f(r['speed'], '{:.0%}')} | {_f(r['drop_s'])} | {_f(r['named_s'])} | "
         f"{r['named'] or 'nothing'}{'' if r['right_node'] else ' (WRONG)'} | "
@@ -210,7 +251,15 @@ def main() -> None:
             "the "
             "target speed. Seconds from the quota to the first `slow_time` (a sustained drop) and the first "
             "`node_slow` (named); the swap's cost is the slow node leaving to the next checkpoint written; "
-            f"after: the step rate after the swap over the healthy rate. {args.detect_runs} run(s) a speed.",
+            f"after: the step rate after the swap over the healthy rate ({AFTER_S:.0f} s of it; a run with "
+            f"no node named ends {NOTHING_S:.0f} s after the quota). {args.detect_runs} run(s) a speed.",
+            "",
+            "| target speed | runs | measured (median) | drop (s, median) | named (s, median; range) | right "
+            "node and kind | swapped | swap cost (s, median) | after (median) |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *summary,
+            "",
+            "Each run:",
             "",
             "| target speed | measured | drop (s) | named (s) | named | swapped | swap cost (s) | after |",
             "|---|---|---|---|---|---|---|---|",
