@@ -14,14 +14,12 @@ file descriptors passed alongside (``SCM_RIGHTS``).
 The worker (a fork of the server) becomes what ``python -u SCRIPT ARGS`` would have been: its own
 session, ``PR_SET_PDEATHSIG`` (the server dies with the agent), its share of the CPUs, fresh signal
 dispositions, the environment replaced wholesale, cwd, argv, ``sys.path[0]``, stdio on the log pipe,
-reseeded random generators, torch's thread count from the worker's ``OMP_NUM_THREADS``, numpy's OpenBLAS
-pool as a cold start's (the server imports with it held to one thread; threadpoolctl resizes it in the
-worker, when the interpreter has it), and ``SCRIPT`` run as ``__main__`` by ``runpy.run_path``. It ends
-with the codes, tracebacks and shutdown a cold start shows (threads joined, atexit handlers run, open
-files flushed), then ``os._exit`` instead of tearing torch's modules down object by object (seconds).
-Differences: the hash seed is the server's; variables read while importing the preloads come from the
-server's environment (the job's, without the per-rank variables); ``__del__`` of objects still alive at
-exit does not run (as in multiprocessing's workers).
+reseeded random generators, torch's thread count from the worker's ``OMP_NUM_THREADS``, and ``SCRIPT``
+run as ``__main__`` by ``runpy.run_path``. It ends with the codes, tracebacks and shutdown a cold start
+shows (threads joined, atexit handlers run, open files flushed), then ``os._exit`` instead of tearing
+torch's modules down object by object (seconds). Differences: the hash seed is the server's; variables
+read while importing the preloads come from the server's environment (the job's, without the per-rank
+variables); ``__del__`` of objects still alive at exit does not run (as in multiprocessing's workers).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import array
 import contextlib
 import ctypes
 import importlib
-import importlib.util
 import io
 import json
 import os
@@ -48,8 +45,6 @@ MAX_MESSAGE = 1 << 20
 MAX_FDS = 4
 PR_SET_PDEATHSIG = 1
 PR_SET_PTRACER = 0x59616D61
-#: Whether the server capped OpenBLAS's pool while it imported (:func:`_cap_blas`).
-_BLAS_CAPPED = [False]
 #: The server's ``LC_CTYPE`` as the agent gave it (the interpreter may have coerced it since).
 _GIVEN_CTYPE: list[str | None] = [None]
 #: Signal dispositions as the interpreter set them up, before anything was imported.
@@ -184,7 +179,6 @@ def _become_worker(req: dict[str, Any], server_pid: int) -> None:
     _fresh_stdio(bool(req.get("unbuffered")) or bool(os.environ.get("PYTHONUNBUFFERED")))
     _reseed()
     _torch_threads()
-    _blas_threads()
 
 
 def _coerced_locale(env: dict[str, str]) -> dict[str, str]:
@@ -294,34 +288,6 @@ def _shutdown() -> None:
             stream.flush()
 
 
-def _cap_blas() -> bool:
-    """Keep numpy's OpenBLAS from starting its thread pool while the server imports (a fork would not copy
-    those threads, so warm starts would be refused): ``OPENBLAS_NUM_THREADS=1`` unless the job set it.
-    Each worker then gets the pool a cold start would have (:func:`_blas_threads`); without threadpoolctl
-    to resize it there, nothing is capped."""
-    if "OPENBLAS_NUM_THREADS" in os.environ or importlib.util.find_spec("threadpoolctl") is None:
-        return False
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    return True
-
-
-def _blas_threads() -> None:
-    """In a worker of a server that capped OpenBLAS: its pool as a cold start's import would size it, from
-    the worker's own ``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS`` or ``OMP_NUM_THREADS`` (OpenBLAS's
-    order), else its CPUs (its share, hpcelastic/agent/cpus.py)."""
-    if not _BLAS_CAPPED[0]:
-        return
-    given = [os.environ.get(k, "") for k in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")]
-    wanted = next((int(v) for v in given if v.isdigit() and int(v) > 0), len(os.sched_getaffinity(0)))
-    if wanted == 1:
-        return
-    with contextlib.suppress(Exception):
-        import threadpoolctl
-
-        for lib in threadpoolctl.ThreadpoolController().select(internal_api="openblas").lib_controllers:
-            lib.set_num_threads(wanted)
-
-
 def _preload(modules: list[str]) -> str | None:
     for name in modules:
         try:
@@ -331,7 +297,7 @@ def _preload(modules: list[str]) -> str | None:
     if thread_count() != 1:
         return (
             f"importing {', '.join(modules)} started {thread_count() - 1} thread(s), which a fork would "
-            "not copy (numpy's OpenBLAS does so when OPENBLAS_NUM_THREADS asks for more than one)"
+            "not copy (numpy's OpenBLAS does so unless OMP_NUM_THREADS is set)"
         )
     return None
 
@@ -344,7 +310,6 @@ def main() -> None:
     sock = socket.socket(fileno=fd)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)  # the agent stops the server by hanging up
-    _BLAS_CAPPED[0] = _cap_blas()
     problem = _preload(modules)
     try:
         if problem is not None:

@@ -66,10 +66,6 @@ elif mode == "shutdown":
         print("thread joined", flush=True)
     threading.Thread(target=late).start()
     print("main done")
-elif mode == "blas":
-    import numpy, threadpoolctl
-    pools = [i["num_threads"] for i in threadpoolctl.threadpool_info() if i["internal_api"] == "openblas"]
-    print(json.dumps({"openblas": pools, "threads": len(os.listdir("/proc/self/task"))}))
 elif mode == "sigterm":
     signal.signal(signal.SIGUSR1, lambda *a: print("usr1 handled", flush=True))
     print("ready", flush=True)
@@ -195,27 +191,6 @@ def test_signals_reach_a_warm_worker_and_its_pidfd_reports_the_exit(server: Fork
     os.close(pidfd)
 
 
-def test_one_worker_a_node_starts_warm_with_the_openblas_pool_a_cold_start_has(probe: Path) -> None:
-    """Without OMP_NUM_THREADS (one worker a node), numpy's OpenBLAS used to start its pool while the server
-    imported torch, and the server refused to serve: those workers all started cold."""
-    env = {k: v for k, v in worker_environ(probe.parent).items() if k != "OMP_NUM_THREADS"}
-    fs = ForkServer(sys.executable, str(probe), env, preexec_fn=_child_setup)
-    try:
-        assert fs.ready(), fs.problem
-        argv = [sys.executable, "-u", str(probe), "blas"]
-        for worker_env in (env, env | {"OMP_NUM_THREADS": "1"}):
-            out = []
-            for proc in (run_cold(argv, worker_env), run_warm(fs, argv, worker_env)):
-                assert proc.stdout is not None
-                out.append(json.loads(proc.stdout.read().decode()))
-                assert proc.wait(timeout=60) == 0
-            cold, warm = out
-            want = 1 if "OMP_NUM_THREADS" in worker_env else len(os.sched_getaffinity(0))
-            assert warm["openblas"] == cold["openblas"] == [want], (cold, warm)
-    finally:
-        fs.close()
-
-
 def test_warm_path_only_for_plain_scripts_of_this_interpreter() -> None:
     assert warm_script((sys.executable, "-u", "t.py", "--x")) == ("t.py", "")
     assert warm_script((sys.executable, "-u", "-m", "pkg.train")) == (None, "module mode (-m)")
@@ -276,13 +251,6 @@ def test_agents_restart_warm_workers_and_say_so(tmp_path: Path) -> None:
         (1, "warm", {}),
     ]
     assert json.loads(job.out.read_text())["world_size"] == 4
-
-
-def test_one_worker_a_node_restarts_warm_too(tmp_path: Path) -> None:
-    job = LocalJob(tmp_path, nodes="2", nproc=1, train_args=("--crash-at-step", "5", "--crash-rank", "1"))
-    assert job.wait(timeout=240) == [0, 0]
-    started = [(e["round"], e["spawn"], e["cold_reasons"]) for e in started_events(job)]
-    assert started == [(0, "warm", {}), (1, "warm", {})]
 
 
 def test_no_warm_start_spawns_cold_and_says_why(tmp_path: Path) -> None:
