@@ -138,7 +138,7 @@ def cpu_quota() -> Iterator[callable]:
     for them all; undone at the end."""
     made: list[tuple[Path, Path]] = []
 
-    def limit(pids: int | list[int], share: float) -> None:
+    def limit(pids: int | list[int], share: float, period_us: int = 100000) -> None:
         pids = [pids] if isinstance(pids, int) else pids
         group = CPU_CGROUP / f"hpcelastic-test-{os.getpid()}-{pids[0]}"
         group.mkdir()
@@ -148,8 +148,8 @@ def cpu_quota() -> Iterator[callable]:
             if line.split(":")[1].split(",").count("cpu")
         )
         made.append((group, CPU_CGROUP / own.lstrip("/")))
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(share * period_us))))
         for pid in pids:
             (group / "cgroup.procs").write_text(str(pid))
 

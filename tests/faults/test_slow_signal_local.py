@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hpcelastic.agent.launcher import LocalRun, start_agents
@@ -30,8 +31,17 @@ from hpcelastic.slow.verdict import SlowKind, SlowVerdict
 from tests.slurm_utils import leaked_processes
 
 SCRIPT = Path(__file__).with_name("slow_train.py")
-#: The slowed worker's share of one CPU (3 %: on this shared 2-core machine the others get about 20 %).
-QUOTA = 0.03
+#: The slowed worker's quota: this share of the CPU it used over :data:`MEASURE_S` (its compute takes about 4
+#: times as long, on a quiet machine as on a loaded one), at least 10 % (the kernel's least quota, 1 ms, of
+#: :data:`PERIOD_US`). A fixed 3 % slowed a quiet machine's job to 7 % of its pace and no node was named;
+#: tests/slurm/test_slow_node_slurm.py sizes its quota the same way.
+USED_SHARE = 0.25
+MEASURE_S = 5.0
+#: The quota's period: 10 ms, not the kernel's default 100 ms. Over a 100 ms period a quiet machine's
+#: throttled rank computed several collectives' share at full speed in one burst, on time at those, and
+#: was last at too few collectives to be named (job at 7 % of its pace, "job-wide"); over 10 ms it is
+#: slow at every collective.
+PERIOD_US = 10000
 #: Shorter windows than the defaults, so that a test fits in two minutes.
 TEST_PACE = PaceConfig(window_s=10.0, consecutive=2, min_baseline=2, warmup_steps=5, settle_s=6.0, lag_s=10.0)
 
@@ -113,7 +123,12 @@ def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_q
     while job.detector.pace.baseline <= 0 and job.running():
         job.poll()
     assert job.detector.pace.baseline > 0, "no baseline pace before the job ended"
-    cpu_quota(pid, QUOTA)
+    worker = psutil.Process(pid)
+    used, until = sum(worker.cpu_times()[:2]), time.monotonic() + MEASURE_S
+    while time.monotonic() < until and job.running():
+        job.poll()
+    share = (sum(worker.cpu_times()[:2]) - used) / MEASURE_S * USED_SHARE
+    cpu_quota(pid, max(0.1, share), PERIOD_US)
     slowed_at = time.time()
     while not any(v.node for v in job.verdicts) and job.running() and time.time() - slowed_at < 75:
         job.poll()
