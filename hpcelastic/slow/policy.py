@@ -370,7 +370,7 @@ def flap_rate(ev: Evidence, now: float) -> float:
     """A flapping node's recent loss rate (seconds lost a second): its decayed losses over the decayed time
     since it was first named (at most their whole horizon, ``FLAP_HALF_LIFE_S / ln 2``): a node that cost
     the job 80 % of its pace for the minute it was watched costs 80 %, not 1 % of an hour's horizon."""
-    span = max(0.0, now - (now if ev.first_at is None else ev.first_at))
+    span = 0.0 if ev.first_at is None else max(0.0, now - ev.first_at)
     horizon = FLAP_HALF_LIFE_S / math.log(2) * (1.0 - 0.5 ** (span / FLAP_HALF_LIFE_S))
     return ev.decayed(now) / horizon if horizon > 0 else 0.0
 
