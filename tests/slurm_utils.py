@@ -36,6 +36,10 @@ def wait_job_state(job_id: str, states: Collection[str], timeout: float = 180.0)
         if rec.get("JobState") in states:
             return rec
         time.sleep(0.5)
+    if not rec:  # say why Slurm gave no record: the job unknown, or slurmctld not answering
+        why = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True)
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+        rec = {"scontrol": (why.stderr or why.stdout).strip(), "ping": (ping.stdout or ping.stderr).strip()}
     raise AssertionError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s: {rec}")
 
 
