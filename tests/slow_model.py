@@ -3,7 +3,9 @@
 Each step runs ``buckets`` collectives; before each a rank computes its share of the step (``compute`` s a
 step, with uniform per-rank jitter, divided by its speed, doubled on a stripe's steps); every rank leaves a
 collective ``comm`` after the last one issued it (plus its node's ``link_lag``: the results reach a node
-behind a slow link last). Issue times are on each node's clock (``skew`` added).
+behind a slow link last). Every ``save_every`` steps a checkpoint save issues ``save_collectives`` collectives
+in a burst, rank 0 last at each by ``save_work`` (DCP's coordinator planning and writing the metadata; DCP
+issues nine on gloo). Issue times are on each node's clock (``skew`` added).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def simulate(
     skew: dict[str, float] | None = None,
     seed: int = 0,
     start: float = 0.0,
+    save_every: int = 0,
+    save_collectives: int = 9,
+    save_work: float = 0.003,
 ) -> Run:
     rng = random.Random(seed)
     world = nodes * per_node
@@ -66,6 +71,13 @@ def simulate(
             last = max(issue.values())
             for r in range(world):
                 done[r] = last + comm + (link_lag or {}).get(run.node_of[r], 0.0)
+            run.arrivals[(0, seq)] = {r: t + (skew or {}).get(run.node_of[r], 0.0) for r, t in issue.items()}
+        for _ in range(save_collectives if save_every and (step + 1) % save_every == 0 else 0):
+            work = {r: save_work if r == 0 else save_work / 10 for r in done}
+            issue = {r: done[r] + work[r] * rng.uniform(0.9, 1.1) for r in done}
+            seq += 1
+            last = max(issue.values())
+            done = dict.fromkeys(done, last + comm)
             run.arrivals[(0, seq)] = {r: t + (skew or {}).get(run.node_of[r], 0.0) for r, t in issue.items()}
         for r in range(world):
             run.step_ends.setdefault(r, []).append(done[r] + (skew or {}).get(run.node_of[r], 0.0))

@@ -5,7 +5,9 @@ that holds the job back is the one that arrives last (and waits least), at nearl
 Per collective ``(pg, seq)`` each rank's issue time ``a_r`` is first corrected by that rank's own usual
 lateness in healthy windows (``baseline_lateness``); a node's lateness at that collective is
 ``max(a_r, r on the node) - max(a_r, r elsewhere)``: positive exactly when the node is last, by how much
-it kept the latest other rank waiting. A node is named when that lateness, at the
+it kept the latest other rank waiting. Each collective counts by the time since the one before it, at
+most a usual step's (:func:`collective_weights`): a checkpoint save's burst of collectives, where DCP's
+coordinator is last, counts as little as the time it takes. A node is named when that lateness, at the
 :data:`QUANTILE` (a fifth) of the window's collectives, exceeds :func:`threshold`: a share of the time
 the job lost per collective (``gap x (1 - ratio)``, ``gap`` the window's time between collectives) and at
 least :data:`FLOOR_S`. So it must be last at more than four fifths of the collectives, late enough to
@@ -100,10 +102,44 @@ def in_data_loading(functions: list[str] | tuple[str, ...]) -> bool:
     return any(f.rsplit(".", 1)[-1] in DATA_FRAMES for f in functions)
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank, low side)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered))))]
+def quantile(values: list[float], q: float, weights: list[float] | None = None) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank, low side), each counted by its weight (default 1):
+    the least value whose own and lower values' weights exceed ``q`` of the total."""
+    if weights is None:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered))))]
+    pairs = sorted(zip(values, weights, strict=True))
+    goal, total = q * sum(weights), 0.0
+    for value, weight in pairs:
+        total += weight
+        if total > goal:
+            return value
+    return pairs[-1][0]
+
+
+def collective_weights(arrivals: Mapping[Key, Mapping[int, float]]) -> dict[Key, float]:
+    """How much each collective counts in a window: the time since its group's previous collective (each
+    taken when its last rank issued it) over the usual such time, at most 1 (a group's first: 1).
+
+    A burst of collectives counts as little as the time it takes: a DCP save's nine on gloo (its
+    coordinator, rank 0, last at those where it plans and writes the metadata) every 20 steps made a
+    slowed rank last at only 69 % of a DDP job's collectives, below the four fifths it takes to be named
+    (the job was called ``job-wide``); a step's later gradient buckets count as little too. Capped at 1,
+    so a long step (a workload stripe's) counts as one collective, no more."""
+    series: dict[int, list[tuple[int, float]]] = {}
+    for (pg, seq), times in arrivals.items():
+        if times:
+            series.setdefault(pg, []).append((seq, max(times.values())))
+    spans: dict[Key, float] = {}
+    for pg, points in series.items():
+        points.sort()
+        for (s0, t0), (s1, t1) in zip(points, points[1:], strict=False):
+            if s1 > s0:
+                spans[(pg, s1)] = max(0.0, t1 - t0) / (s1 - s0)
+    # the usual span as the window's time sees it (half the time is in longer spans): bursts of short
+    # spans, however many, leave it at a step's
+    usual = quantile(list(spans.values()), 0.5, list(spans.values())) if spans else 0.0
+    return {key: min(1.0, spans[key] / usual) if key in spans and usual > 0 else 1.0 for key in arrivals}
 
 
 def rank_lateness(arrivals: Mapping[Key, Mapping[int, float]]) -> dict[int, float]:
@@ -145,17 +181,20 @@ class NodeLateness:
 
     node: str
     collectives: int
-    last_share: float  # share of the collectives where it was last
-    late_q: float  # lateness at :data:`QUANTILE` (s)
+    last_share: float  # share of the collectives (by weight) where it was last
+    late_q: float  # lateness at :data:`QUANTILE` (s), by weight
     late_median: float
     rank: int | None  # its rank that was last within it at :data:`RANK_SHARE`, if any
 
 
 def node_lateness(ev: Evidence) -> list[NodeLateness]:
-    """Every node's lateness over the collectives it shares with another node."""
+    """Every node's lateness over the collectives it shares with another node, each collective counted by
+    its :func:`collective_weights`."""
+    weights = collective_weights(ev.arrivals)
     late: dict[str, list[float]] = {}
-    last_rank: dict[str, dict[int, int]] = {}
-    for times in ev.arrivals.values():
+    weight_of: dict[str, list[float]] = {}
+    last_rank: dict[str, dict[int, float]] = {}
+    for key, times in ev.arrivals.items():
         corrected: dict[str, dict[int, float]] = {}
         for rank, t in times.items():
             node = ev.node_of.get(rank)
@@ -163,26 +202,29 @@ def node_lateness(ev: Evidence) -> list[NodeLateness]:
                 corrected.setdefault(node, {})[rank] = t - ev.baseline_lateness.get(rank, 0.0)
         if len(corrected) < 2:
             continue
+        weight = weights[key]
         latest = {node: max(ranks.values()) for node, ranks in corrected.items()}
         for node, ranks in corrected.items():
             others = max(v for n, v in latest.items() if n != node)
             late.setdefault(node, []).append(latest[node] - others)
+            weight_of.setdefault(node, []).append(weight)
             who = max(ranks, key=lambda r: ranks[r])
             counts = last_rank.setdefault(node, {})
-            counts[who] = counts.get(who, 0) + 1
+            counts[who] = counts.get(who, 0.0) + weight
     out = []
     for node, values in late.items():
-        n = len(values)
+        w = weight_of[node]
+        total = sum(w) or 1.0
         counts = last_rank[node]
         top = max(counts, key=lambda r: counts[r])
         out.append(
             NodeLateness(
                 node,
-                n,
-                sum(v > 0 for v in values) / n,
-                quantile(values, QUANTILE),
-                statistics.median(values),
-                top if len(counts) == 1 or counts[top] >= RANK_SHARE * n else None,
+                len(values),
+                sum(wi for v, wi in zip(values, w, strict=True) if v > 0) / total,
+                quantile(values, QUANTILE, w),
+                quantile(values, 0.5, w),
+                top if len(counts) == 1 or counts[top] >= RANK_SHARE * total else None,
             )
         )
     return sorted(out, key=lambda x: (-x.late_q, x.node))

@@ -44,6 +44,29 @@ def test_a_rank_at_85_percent_is_named_in_half_the_windows_and_never_the_wrong_n
     assert all(node in (None, "n1") for _, node, _ in found), found
 
 
+def test_a_slow_rank_is_named_between_checkpoint_saves_that_wait_for_rank_0() -> None:
+    """A DCP save every 4 steps: nine collectives in a burst, rank 0 last at each. By count the slow rank is
+    last at a third of the collectives (before: ``job-wide``); by the time each takes it is last at nearly
+    all of the window."""
+    found = outcomes(buckets=1, save_every=4, speed=slowed({3}, 0.5))
+    assert found[("compute", "n1", 3)] >= 19, found
+    # the saves alone name nobody, rank 0's node neither
+    assert set(outcomes(buckets=1, save_every=4)) == {("job-wide", None, None)}
+
+
+def test_collectives_count_by_the_time_since_the_previous_one_at_most_one() -> None:
+    steps = {(0, seq): {0: 0.1 * (seq - 1), 1: 0.1 * (seq - 1)} for seq in range(1, 6)}  # 0.1 s apart
+    arrivals = steps | {(0, 6): {0: 0.401, 1: 0.4}, (0, 7): {0: 0.5, 1: 0.5}, (0, 8): {0: 0.8, 1: 0.8}}
+    w = loc.collective_weights(arrivals | {(1, 7): {0: 9.0, 1: 9.0}})
+    assert w[(0, 1)] == w[(1, 7)] == 1.0  # a group's first
+    assert w[(0, 2)] == pytest.approx(1.0) and w[(0, 6)] == pytest.approx(0.01)  # a burst's second
+    assert w[(0, 8)] == 1.0  # a long step counts once
+    many = arrivals | {(0, seq): {0: 0.8 + seq * 1e-4, 1: 0.8} for seq in range(9, 40)}  # a long burst
+    assert loc.collective_weights(many)[(0, 2)] == pytest.approx(1.0)  # the usual span is still a step's
+    assert loc.quantile([3.0, 1.0, 2.0], 0.2) == loc.quantile([3.0, 1.0, 2.0], 0.2, [1.0, 1.0, 1.0]) == 1.0
+    assert loc.quantile([1.0, 2.0, 3.0], 0.2, [0.1, 1.0, 1.0]) == 2.0  # the light lowest is passed over
+
+
 def test_a_named_node_is_charged_what_it_costs_by_itself() -> None:
     v = verdict(simulate(speed=slowed({3}, 0.5)))
     assert v.own_slowdown == pytest.approx(1 - v.window.ratio, abs=0.1)  # it is the whole slowdown
