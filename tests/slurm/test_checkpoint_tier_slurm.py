@@ -257,8 +257,13 @@ def test_torch_save_job_clears_a_torn_save_restores_a_spare_and_persists_at_a_st
     first = [e for e in evs if e.get("attempt") == 0]
     (signalled, *_) = named(evs, "signal_received")
     last = max((e for e in named(first, "tier_checkpoint")), key=lambda e: e["step"])
-    (persisted,) = named(first, "tier_persisted")
-    assert persisted["stop"] and persisted["checkpoint"] == last["checkpoint"], persisted
+    # one persist at the stop, or one more for each checkpoint the script still completed in the grace
+    # (CI: step 45 persisted at the signal, then 50, the script's last save, 2 ms later), the last the newest
+    stops = named(first, "tier_persisted")
+    assert stops and all(e["stop"] for e in stops), stops
+    assert [e["step"] for e in stops] == sorted({e["step"] for e in stops}), stops
+    persisted = stops[-1]
+    assert persisted["checkpoint"] == last["checkpoint"], (persisted, last)
     assert 40 <= persisted["step"] < STEPS, persisted  # the workers were stopped, not finished
     assert persisted["ts"] - signalled["ts"] < 20, (persisted, signalled)  # testbed grace_period: 20 s
     assert [(e["attempt"], e["reason"]) for e in named(evs, "attempt_ended")][0] == (0, "preempted")
