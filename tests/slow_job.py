@@ -24,10 +24,15 @@ SLOW_AFTER_STEP = 200
 
 
 def train_args(
-    out: Path, ckpt: Path | str, steps: int, step_time: float = STEP_TIME, script: Path = SCRIPT
+    out: Path,
+    ckpt: Path | str,
+    steps: int,
+    step_time: float = STEP_TIME,
+    script: Path = SCRIPT,
+    dcp: bool = False,
 ) -> list[str]:
     """The script and its arguments; it writes its pid to ``out/pids/rank-R`` and its model's digest to
-    ``out/final.sha256``."""
+    ``out/final.sha256``; ``dcp``: its checkpoints are DCP directories (``--dcp``)."""
     return [
         str(script),
         "--steps",
@@ -42,6 +47,7 @@ def train_args(
         str(out / "pids"),
         "--out",
         str(out / "final.sha256"),
+        *(["--dcp"] if dcp else []),
     ]
 
 
@@ -52,14 +58,13 @@ def resumed_steps(out: Path) -> tuple[int, ...]:
 
 
 @functools.cache
-def reference_digest(steps: int, ranks: int = 4, resumed: tuple[int, ...] = ()) -> str:
+def reference_digest(steps: int, ranks: int = 4, resumed: tuple[int, ...] = (), dcp: bool = False) -> str:
     """The fault-free model: the same script under plain torchrun, no padding, stopped after each step of
     ``resumed`` and resumed there (a restart's first step may reduce in another order: see the script)."""
     out = Path(tempfile.mkdtemp(prefix="hpcelastic-slow-reference-"))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     for stop in (*resumed, steps):
-        subprocess.run(
-            [*argv, *train_args(out, out / "ckpt", stop, 0.0)], check=True, capture_output=True, timeout=600
-        )
+        args = train_args(out, out / "ckpt", stop, 0.0, dcp=dcp)
+        subprocess.run([*argv, *args], check=True, capture_output=True, timeout=600)
     assert resumed_steps(out) == resumed, (resumed_steps(out), resumed)
     return (out / "final.sha256").read_text()

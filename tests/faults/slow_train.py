@@ -1,9 +1,10 @@
 """A plain DDP training on CPU (gloo) for the slow-node tests: no hpcelastic calls, only its pid for the test.
 
 Trains for ``--seconds`` (every rank stops at the same step: rank 0 decides and broadcasts it), or for
-``--steps`` with a checkpoint (``torch.save`` of model, optimizer and step, written aside and renamed) in
-``--ckpt-dir`` every ``--ckpt-every`` steps, resuming from the newest there; ``--out`` gets the final
-parameters' SHA-256 (each step's data depends on the step and rank only);
+``--steps`` with a checkpoint (``torch.save`` of model, optimizer and step, written aside and renamed;
+with ``--dcp``, ``torch.distributed.checkpoint`` of the distributed state dicts, a directory each, every
+rank taking part) in ``--ckpt-dir`` every ``--ckpt-every`` steps, resuming from the newest there; ``--out``
+gets the final parameters' SHA-256 (each step's data depends on the step and rank only);
 ``--step-time`` pads each step with sleep to a steady pace (a slowed rank's compute shows beyond it), up to
 ``--jitter`` of it longer at random on each rank;
 ``--stripe-every K`` gives ``--stripe-rank`` ``--stripe-batches`` batches more to compute every K-th step
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -45,12 +48,21 @@ class Batches(Dataset):
         return torch.randn(64, self.width, generator=torch.Generator().manual_seed(i * 1000 + self.rank))
 
 
-def newest(ckpt_dir: Path | None) -> Path | None:
-    found = sorted(ckpt_dir.glob("ckpt-*.pt")) if ckpt_dir is not None and ckpt_dir.is_dir() else []
+def newest(ckpt_dir: Path | None, use_dcp: bool) -> Path | None:
+    """The newest complete checkpoint: a ``torch.save`` file, or a DCP directory with its ``.metadata``."""
+    if ckpt_dir is None or not ckpt_dir.is_dir():
+        return None
+    found = sorted(p for p in ckpt_dir.glob("ckpt-*") if (p / ".metadata").is_file()) if use_dcp else []
+    found = found or sorted(ckpt_dir.glob("ckpt-*.pt"))
     return found[-1] if found else None
 
 
 def save(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    if args.dcp:  # every rank takes part; DCP writes the directory's .metadata last
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "opt": opt_sd, "step": torch.tensor(step)}
+        dcp.save(state, checkpoint_id=args.ckpt_dir / f"ckpt-{step:06d}")
+        return
     if dist.get_rank() == 0:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)
         tmp = args.ckpt_dir / f".ckpt-{step:06d}.tmp"
@@ -60,9 +72,15 @@ def save(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Opti
 
 def resume(args: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint into ``model`` and ``opt``; the step it was taken at (0: none)."""
-    found = newest(args.ckpt_dir)
+    found = newest(args.ckpt_dir, args.dcp)
     if found is None:
         return 0
+    if found.is_dir():
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "opt": opt_sd, "step": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=found)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["opt"])
+        return int(state["step"])
     state = torch.load(found, weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
@@ -77,6 +95,7 @@ def main() -> None:
     p.add_argument("--pid-dir", type=Path, required=True)
     p.add_argument("--ckpt-dir", type=Path, default=None)
     p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--dcp", action="store_true", help="checkpoint through DCP, every rank")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--step-time", type=float, default=0.0, help="a step takes at least this long (it sleeps)")
     p.add_argument("--stripe-every", type=int, default=0, help="every K-th step one rank gets more data")
@@ -143,6 +162,11 @@ def main() -> None:
         for t in model.state_dict().values():
             digest.update(t.detach().numpy().tobytes())
         args.out.write_text(digest.hexdigest())
+    # DDP's reducer holds the process group, and its binding frees it holding the GIL: freed last, at
+    # exit, ProcessGroupGloo's destructor joins a gloo thread that waits for the GIL to free a DCP
+    # collective's tensors (pytorch/pytorch#56297). Free DDP first: the group then dies in
+    # destroy_process_group, the GIL released.
+    del ddp
     dist.destroy_process_group()
 
 

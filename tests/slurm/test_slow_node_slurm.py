@@ -1,10 +1,11 @@
 """A slow node on the Slurm testbed, through ``hpcelastic submit --nodes 2 --spare-nodes 1`` (issue 28), on
 an instance of this module's own (``slownode``: 3 nodes on 127.0.44.x).
 
-The unchanged DDP script (``tests/faults/slow_train.py``: plain torch, its own ``torch.save`` checkpoints, two
-workers a node) runs on the first two nodes; once the job's pace is known, the second node's workers are
-slowed the way the kernel slows a node (a cgroup v1 CPU quota on their processes: a quarter of the CPU they
-used, at most 3 %). The coordinator names that node (kind compute), and right after a checkpoint the node
+The unchanged DDP script (``tests/faults/slow_train.py``: plain torch, its own ``torch.save`` checkpoints, or
+DCP's (``torch.distributed.checkpoint``, a directory every rank writes into), two workers a node) runs on the
+first two nodes; once the job's pace is known, the second node's workers are slowed the way the kernel slows
+a node (a cgroup v1 CPU quota on their processes: a quarter of the CPU they used, at most 3 %). The
+coordinator names that node (kind compute), and right after a checkpoint the node
 leaves and the spare takes its place: the job completes inside its allocation (Slurm's view: COMPLETED,
 Restarts 0, all three nodes in its NodeList), with the fault-free model, the slow node among the attempt's bad
 nodes and the slow time in the ledger. With ``--slow-action exclude`` and no spare the node stays until the
@@ -46,12 +47,15 @@ def _record(tb: Testbed, job: str) -> dict[str, str]:
     return parse_scontrol_record(out.splitlines()[0]) if out.strip() else {}
 
 
-def _submit(tb: Testbed, tmp_path: Path, action: str = "swap", spares: int = 1) -> tuple[str, Path, Path]:
-    """The unchanged script on two nodes and ``spares``; its job id, run and checkpoint directories."""
+def _submit(
+    tb: Testbed, tmp_path: Path, action: str = "swap", spares: int = 1, dcp: bool = False
+) -> tuple[str, Path, Path]:
+    """The unchanged script on two nodes and ``spares`` (``dcp``: its checkpoints through DCP); its job id,
+    run and checkpoint directories."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt"
     argv = submit_argv(run) + ["--time", "15", "--nodes", "2", "--spare-nodes", str(spares)]
     argv += ["--nproc-per-node", "2", "--checkpoint-dir", str(ckpt), "--slow-action", action]
-    argv += train_args(tmp_path, ckpt, STEPS)
+    argv += train_args(tmp_path, ckpt, STEPS, dcp=dcp)
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=tb.slurm_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     return str(json.loads(proc.stdout)["job_id"]), run, ckpt
@@ -87,8 +91,9 @@ def _wait_ended(tb: Testbed, job: str, deadline: float) -> dict[str, str]:
     return rec
 
 
-def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: Path, cpu_quota) -> None:  # type: ignore[no-untyped-def]
-    job, run, ckpt = _submit(tb, tmp_path)
+@pytest.mark.parametrize("dcp", [False, True], ids=["torch-save", "dcp"])
+def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: Path, cpu_quota, dcp) -> None:  # type: ignore[no-untyped-def]
+    job, run, ckpt = _submit(tb, tmp_path, dcp=dcp)
     deadline = time.monotonic() + 900
     _slow_second_node(tb, job, tmp_path, ckpt, cpu_quota, deadline)
     rec = _wait_ended(tb, job, deadline)
@@ -107,7 +112,7 @@ def test_a_slow_node_is_replaced_by_the_spare_in_the_job(tb: Testbed, tmp_path: 
     assert slow_node in ended[-1]["bad_nodes"], ended  # a requeue would exclude it
     resumed = resumed_steps(tmp_path)
     assert len(resumed) == 1 and resumed[0] >= SLOW_AFTER_STEP, resumed  # the swap's restart
-    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS, resumed=resumed)
+    assert (tmp_path / "final.sha256").read_text() == reference_digest(STEPS, resumed=resumed, dcp=dcp)
     assert status_json(str(run))["ledger"]["badput_by_cause"].get("slow", 0) > 10
 
 
