@@ -17,7 +17,8 @@ import pytest
 from tests.slow_job import SLOW_AFTER_STEP, train_args
 from tests.slurm_utils import events, named
 
-pytestmark = pytest.mark.slow
+#: Run in turn with the other local slow-node tests (test_slow_swap_local.py says why).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slow-local")]
 
 
 def test_a_rank_waiting_on_its_data_names_its_node_input(tmp_path: Path) -> None:

@@ -25,10 +25,13 @@ from hpcelastic.agent.messages import FROM_AGENT, SlowSample, decode, encode
 from hpcelastic.slow import arrivals
 from hpcelastic.slow.collect import NodeCollector
 from hpcelastic.slow.detector import SlowDetector
-from hpcelastic.slow.locate import MIN_COLLECTIVES
+from hpcelastic.slow.locate import MIN_COLLECTIVES, NodeLateness, node_lateness
 from hpcelastic.slow.pace import Judgement, PaceConfig
 from hpcelastic.slow.verdict import SlowKind, SlowVerdict
 from tests.slurm_utils import leaked_processes
+
+#: Run in turn with the other local slow-node tests (test_slow_swap_local.py says why).
+pytestmark = pytest.mark.xdist_group("slow-local")
 
 SCRIPT = Path(__file__).with_name("slow_train.py")
 #: The slowed worker's quota: this share of the CPU it used over :data:`MEASURE_S` (its compute takes about 4
@@ -58,6 +61,8 @@ class Watched:
     verdicts: list[SlowVerdict] = field(default_factory=list)
     judged: list[Judgement] = field(default_factory=list)
     evidence: list[int] = field(default_factory=list)
+    #: Per closed window: each node's lateness (what a failure shows: how near the rule it came).
+    lateness: list[list[NodeLateness]] = field(default_factory=list)
 
     def running(self) -> bool:
         return any(a.poll() is None for a in self.agents)
@@ -73,7 +78,9 @@ class Watched:
                 self.detector.report(node, wire, time.time())
         for closed in self.detector.tick(time.time()).windows:
             self.judged.append(closed.judged.judgement)
-            self.evidence.append(len(self.detector.evidence(closed.judged.window).arrivals))
+            evidence = self.detector.evidence(closed.judged.window)
+            self.evidence.append(len(evidence.arrivals))
+            self.lateness.append(node_lateness(evidence))
             if closed.verdict is not None:
                 self.verdicts.append(closed.verdict)
 
@@ -82,6 +89,14 @@ class Watched:
         while not path.exists() and self.running():
             self.poll()
         return int(path.read_text())
+
+
+def _shown(lateness: list[list[NodeLateness]]) -> str:
+    """Each window's nodes as 'node last-share quantile-ms' (what decides whether a node is named)."""
+    return " | ".join(
+        ", ".join(f"{n.node} {n.last_share:.0%} {n.late_q * 1e3:+.1f}ms/{n.collectives}" for n in nodes)
+        for nodes in lateness
+    )
 
 
 @pytest.fixture
@@ -134,7 +149,8 @@ def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_q
         job.poll()
     named = [v for v in job.verdicts if v.node is not None]
     assert named, (
-        f"no node named within 75 s of the slowdown; windows: {job.judged}, verdicts: {job.verdicts}"
+        f"no node named within 75 s of the slowdown; windows: {job.judged}, "
+        f"lateness: {_shown(job.lateness)}; verdicts: {job.verdicts}"
     )
     first = named[0]
     assert (first.kind, first.node) == (SlowKind.COMPUTE, "node1"), job.verdicts
