@@ -334,6 +334,9 @@ def main() -> None:
     from hpcelastic.slow import arrivals  # who the others wait for (a no-op unless slow-node detection is on)
 
     arrivals.install_from_env()
+    from hpcelastic.agent import pg_teardown  # a DDP script's exit never hangs in gloo's destructor
+
+    pg_teardown.install()
     _run_script(req["argv"][0])
 
 
