@@ -5,7 +5,9 @@ step, with uniform per-rank jitter, divided by its speed, doubled on a stripe's 
 collective ``comm`` after the last one issued it (plus its node's ``link_lag``: the results reach a node
 behind a slow link last). Every ``save_every`` steps a checkpoint save issues ``save_collectives`` collectives
 in a burst, rank 0 last at each by ``save_work`` (DCP's coordinator planning and writing the metadata; DCP
-issues nine on gloo). Issue times are on each node's clock (``skew`` added).
+issues nine on gloo). A rank under a CFS CPU quota (``cpu_quota``: rank -> (share, period)) computes at
+full speed until it used ``share x period`` in the current period, then waits for the next one. Issue times
+are on each node's clock (``skew`` added).
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ def simulate(
     save_every: int = 0,
     save_collectives: int = 9,
     save_work: float = 0.003,
+    cpu_quota: dict[int, tuple[float, float]] | None = None,
 ) -> Run:
     rng = random.Random(seed)
     world = nodes * per_node
     run = Run(node_of={r: f"n{r // per_node}" for r in range(world)})
     done = dict.fromkeys(range(world), start)
     seq = 0
+    used: dict[tuple[int, int], float] = {}  # (rank, period) -> CPU time it used in that period
     for step in range(steps):
         for _ in range(buckets):
             issue = {}
@@ -66,7 +70,8 @@ def simulate(
                 work /= speed(r, done[r]) if speed else 1.0
                 if stripe is not None and stripe(step, r):
                     work *= 2
-                issue[r] = done[r] + work
+                quota = (cpu_quota or {}).get(r)
+                issue[r] = done[r] + work if quota is None else _under_quota(r, done[r], work, *quota, used)
             seq += 1
             last = max(issue.values())
             for r in range(world):
@@ -84,6 +89,23 @@ def simulate(
     run.end = max(done.values()) - start
     run.steps = steps
     return run
+
+
+def _under_quota(
+    rank: int, start: float, work: float, share: float, period: float, used: dict[tuple[int, int], float]
+) -> float:
+    """When ``work`` s of CPU begun at ``start`` ends under a CFS quota of ``share x period`` a period."""
+    t, k = start, int(start / period)
+    while work > 1e-12:
+        left = share * period - used.get((rank, k), 0.0)
+        run = min(left, work, (k + 1) * period - t)
+        if run > 1e-12:
+            used[(rank, k)] = used.get((rank, k), 0.0) + run
+            t, work = t + run, work - run
+        if work > 1e-12:
+            k += 1
+            t = max(t, k * period)
+    return t
 
 
 def slowed(ranks: set[int], factor: float, after: float = 0.0) -> Speed:

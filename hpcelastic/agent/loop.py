@@ -38,6 +38,7 @@ from hpcelastic.events import Event
 from hpcelastic.reasons import Reason
 from hpcelastic.slow import speed
 from hpcelastic.slow.collect import NodeCollector, read_clock
+from hpcelastic.slow.cpu_throttle import ThrottleWatch
 from hpcelastic.slow.input_watch import InputWatch
 from hpcelastic.tier.book import position_of
 from hpcelastic.tier.node import SCAN_INTERVAL_S
@@ -142,6 +143,7 @@ class NodeLoop:
         #: and their stacks while the pace has dropped (the ``input`` kind; None: detection off).
         self.slow: NodeCollector | None = None
         self.inputs = InputWatch() if rt.group.cfg.slow_dir is not None else None
+        self.throttle = ThrottleWatch()
         self._handlers: messages.Handlers = {
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
@@ -308,7 +310,10 @@ class NodeLoop:
         gpus = {w.rank: facts[w.local_rank] for w in group.workers if w.local_rank in facts}
         rtt = self.rt.client.link_rtt_s()
         shares = self.inputs.shares() if self.inputs is not None else None
-        sample = self.slow.sample(self.round.round, rtt_s=rtt, input_shares=shares, gpus=gpus)
+        throttled = self.throttle.shares({w.rank: w.proc.pid for w in group.running()})
+        sample = self.slow.sample(
+            self.round.round, rtt_s=rtt, input_shares=shares, gpus=gpus, throttled=throttled
+        )
         if sample is None:
             sample = messages.SlowSample(self.round.round, time.time_ns(), rtt)
         elif self.inputs is not None and sample.ranks:

@@ -50,6 +50,7 @@ class NodeCollector:
         rtt_s: float | None = None,
         input_shares: Mapping[int, float] | None = None,
         gpus: Mapping[int, GpuFacts] | None = None,
+        throttled: Mapping[int, float] | None = None,
         now_ns: Callable[[], int] = time.time_ns,
     ) -> SlowSample | None:
         """The report to send now, or None when no rank has anything new."""
@@ -72,6 +73,7 @@ class NodeCollector:
                     arrivals=new,
                     input_share=(input_shares or {}).get(rank),
                     gpu=(gpus or {}).get(rank),
+                    cpu_throttled=(throttled or {}).get(rank),
                 )
             )
         if not ranks:

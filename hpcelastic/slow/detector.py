@@ -80,6 +80,7 @@ class SlowDetector:
         self._arrivals: dict[loc.Key, dict[int, float]] = {}
         self._input: dict[int, float] = {}
         self._gpus: dict[int, GpuFacts] = {}
+        self._throttled: dict[int, float] = {}
         self._lateness: dict[int, deque[float]] = {}
         self._healthy_rtt: dict[str, deque[float]] = {}
         self._heartbeats = False
@@ -96,6 +97,7 @@ class SlowDetector:
         self._node_of.clear()
         self._input.clear()
         self._gpus.clear()
+        self._throttled.clear()
         self._heartbeats = False
         self._job_wide_run = 0
 
@@ -118,6 +120,8 @@ class SlowDetector:
                 self._input[sample.rank] = sample.input_share
             if sample.gpu is not None:
                 self._gpus[sample.rank] = sample.gpu
+            if sample.cpu_throttled is not None:
+                self._throttled[sample.rank] = sample.cpu_throttled
 
     def progress(self, node: str, step: int, ts: float) -> None:
         """A node's heartbeat progress (its highest step at its wall time ``ts``): from now on the pace's only
@@ -164,6 +168,7 @@ class SlowDetector:
             baseline_rtt={n: statistics.median(v) for n, v in self._healthy_rtt.items() if v},
             input_share=dict(self._input),
             gpus=dict(self._gpus),
+            cpu_throttled=dict(self._throttled),
         )
 
     def locate(self, window: PaceWindow) -> SlowVerdict:

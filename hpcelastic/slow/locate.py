@@ -13,10 +13,16 @@ the job lost per collective (``gap x (1 - ratio)``, ``gap`` the window's time be
 least :data:`FLOOR_S`. So it must be last at more than four fifths of the collectives, late enough to
 explain a good part of the loss: 15 % per-rank jitter moves the last rank around, a workload stripe (a
 different rank, or one rank every k-th step, last) leaves the quantile at or below zero, and a job-wide
-slowdown names nobody. Within the node a rank is named when it is the node's last at
-:data:`RANK_SHARE` of the collectives. What the node costs by itself (``own_slowdown``) is its median
-lateness over the time between collectives: the share of the pace the job would win back without it
-(for a rank slowed on the CPU about half the truth: it also slows its part of each collective).
+slowdown names nobody. One exception, on the kernel's word: a node whose median lateness exceeds
+:func:`threshold` (last at most collectives, by enough) and whose ranks' CPU quota throttled them in at
+least :data:`THROTTLED` of their periods (cgroup ``cpu.stat``, ``slow/cpu_throttle.py``) while no other
+node's was throttled, is named ``compute``: with the kernel's default 100 ms period such a rank runs its
+share at full speed, then stands still, late at one step in two or three and on time at the others (a
+stripe's pattern, which the quantile rightly does not name). Within the node a rank is named
+when it is the node's last at :data:`RANK_SHARE` of the collectives. What the node costs by itself
+(``own_slowdown``) is its median lateness over the time between collectives: the share of the pace the job
+would win back without it (for a rank slowed on the CPU about half the truth: it also slows its part of
+each collective).
 
 Kind: ``network`` when the late node's link round trip rose (as below) by at least :data:`RTT_EXPLAINS`
 of its median lateness; ``input`` when the named ranks' sampled stacks sit in data loading (DataLoader
@@ -52,6 +58,10 @@ from hpcelastic.slow.verdict import PaceWindow, SlowKind, SlowVerdict
 MIN_COLLECTIVES = 12
 #: The quantile of a node's lateness that must exceed the threshold.
 QUANTILE = 0.2
+#: A rank's CPU quota held it back: throttled in at least this share of its periods (other nodes' ranks:
+#: under :data:`THROTTLED_CALM`).
+THROTTLED = 0.5
+THROTTLED_CALM = 0.1
 #: The share of the job's lost time per collective the named node's lateness must reach (not all of it: a
 #: rank slowed on the CPU also slows its part of the collectives), and the least lateness.
 EXPLAIN = 0.1
@@ -94,6 +104,8 @@ class Evidence:
     #: rank -> share of its recent stack samples in data loading.
     input_share: Mapping[int, float] = field(default_factory=dict)
     gpus: Mapping[int, GpuFacts] = field(default_factory=dict)
+    #: rank -> share of its cgroup's CFS periods it was throttled in, lately.
+    cpu_throttled: Mapping[int, float] = field(default_factory=dict)
 
 
 def in_data_loading(functions: list[str] | tuple[str, ...]) -> bool:
@@ -237,9 +249,11 @@ def locate(ev: Evidence, window: PaceWindow) -> SlowVerdict:
     enough = [n for n in nodes if n.collectives >= MIN_COLLECTIVES]
     gap = gap_s(ev.arrivals)
     network = _network(ev)
-    if enough and enough[0].late_q >= threshold(gap, window.ratio):
-        own = enough[0].late_median / gap if gap > 0 else None
-        return replace(_late_node(ev, window, enough[0], pace, network), own_slowdown=own)
+    least = threshold(gap, window.ratio)
+    late = enough[0] if enough and enough[0].late_q >= least else _throttled(ev, enough, least)
+    if late is not None:
+        own = late.late_median / gap if gap > 0 else None
+        return replace(_late_node(ev, window, late, pace, network), own_slowdown=own)
     if network is not None and (enough or network[1] >= RTT_ALONE_S):
         node, _rise, detail = network
         why = "no rank late" if enough else "too few collectives to compare ranks"
@@ -251,6 +265,21 @@ def locate(ev: Evidence, window: PaceWindow) -> SlowVerdict:
             return SlowVerdict(window, SlowKind.COMPUTE, node=node, detail=f"{detail}; {pace}")
     why = "no node late at most collectives" if enough else "too few collectives seen on two nodes"
     return SlowVerdict(window, SlowKind.JOB_WIDE, detail=f"{why}; {pace}{_round_trips(ev)}")
+
+
+def _throttled(ev: Evidence, nodes: list[NodeLateness], least_s: float) -> NodeLateness | None:
+    """The one node whose ranks' CPU quota throttled them (no other node's was), if its median lateness is at
+    least ``least_s``."""
+    worst: dict[str, float] = {}
+    for rank, share in ev.cpu_throttled.items():
+        node = ev.node_of.get(rank)
+        if node is not None:
+            worst[node] = max(share, worst.get(node, 0.0))
+    held = [n for n, share in worst.items() if share >= THROTTLED]
+    if len(held) != 1 or any(share >= THROTTLED_CALM for n, share in worst.items() if n != held[0]):
+        return None
+    late = next((n for n in nodes if n.node == held[0]), None)
+    return late if late is not None and late.late_median >= least_s else None
 
 
 def _round_trips(ev: Evidence) -> str:
@@ -284,6 +313,11 @@ def _late_node(
         return SlowVerdict(window, SlowKind.INPUT, node=late.node, rank=late.rank, detail=detail)
     gpu_notes = [f"GPU of rank {r}: {', '.join(ev.gpus[r].degraded())}" for r in ranks if r in ev.gpus]
     gpu_notes = [n for n in gpu_notes if not n.endswith(": ")]
+    gpu_notes += [
+        f"rank {r}'s CPU quota throttled it in {ev.cpu_throttled[r]:.0%} of its periods"
+        for r in ranks
+        if ev.cpu_throttled.get(r, 0.0) >= THROTTLED
+    ]
     if gpu_notes:
         detail += "; " + "; ".join(gpu_notes)
     return SlowVerdict(window, SlowKind.COMPUTE, node=late.node, rank=late.rank, detail=detail)

@@ -2,8 +2,9 @@
 
 One :class:`RankSample` per rank in :class:`~hpcelastic.agent.messages.SlowSample`: the rank's steps (its
 step clock, else its arrivals file), the collectives it issued since the last report (subsampled
-alike on every node: :func:`subsample`), the share of its recent stacks in data loading, and its GPU's
-NVML facts. Bounded: at most :data:`SEND_KEEP` collectives per rank per report.
+alike on every node: :func:`subsample`), the share of its recent stacks in data loading, the share of its
+CPU quota's periods it was throttled in (``slow/cpu_throttle.py``), and its GPU's NVML facts. Bounded: at
+most :data:`SEND_KEEP` collectives per rank per report.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class RankSample:
     arrivals: tuple[Arrival, ...] = ()
     input_share: float | None = None  # share of its sampled stacks in data loading
     gpu: GpuFacts | None = None
+    cpu_throttled: float | None = None  # share of its cgroup's CFS periods it was throttled in
 
     def wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"rank": self.rank, "steps": self.steps, "step_ns": self.step_ns}
@@ -97,6 +99,8 @@ class RankSample:
             d["input_share"] = self.input_share
         if self.gpu is not None:
             d["gpu"] = self.gpu.wire()
+        if self.cpu_throttled is not None:
+            d["cpu_throttled"] = self.cpu_throttled
         return d
 
     @classmethod
@@ -106,6 +110,7 @@ class RankSample:
             raise ValueError("arrivals must be a short list")
         share = d.get("input_share")
         gpu = d.get("gpu")
+        throttled = d.get("cpu_throttled")
         return cls(
             int(d["rank"]),
             int(d.get("steps", 0)),
@@ -113,6 +118,7 @@ class RankSample:
             tuple((int(a[0]), int(a[1]), int(a[2])) for a in arrivals),
             None if share is None else float(share),
             None if gpu is None else GpuFacts.from_wire(gpu),
+            None if throttled is None else float(throttled),
         )
 
 

@@ -4,8 +4,10 @@ from the collectives the workers recorded; with no worker slowed, no node named.
 
 The chain under test: warm-started workers write their Flight Recorder's collectives
 (``slow/arrivals.py``, installed by the fork server), each node's :class:`NodeCollector` reads its ranks'
-files into a :class:`SlowSample` (through the wire format), and the coordinator's :class:`SlowDetector`
-judges the pace and localizes. The agents are told to collect by ``HPCELASTIC_SLOW_DIR`` in the job's
+files and their cgroups' CPU throttling (:class:`ThrottleWatch`) into a :class:`SlowSample` (through the
+wire format), and the coordinator's :class:`SlowDetector` judges the pace and localizes. The quota over a
+10 ms period is named by the collectives alone; over the kernel's default 100 ms, with the kernel's word
+that the rank was throttled. The agents are told to collect by ``HPCELASTIC_SLOW_DIR`` in the job's
 environment (the agent sets it itself when detection is on).
 """
 
@@ -24,6 +26,7 @@ from hpcelastic.agent.launcher import LocalRun, start_agents
 from hpcelastic.agent.messages import FROM_AGENT, SlowSample, decode, encode
 from hpcelastic.slow import arrivals
 from hpcelastic.slow.collect import NodeCollector
+from hpcelastic.slow.cpu_throttle import ThrottleWatch
 from hpcelastic.slow.detector import SlowDetector
 from hpcelastic.slow.locate import MIN_COLLECTIVES, NodeLateness, node_lateness
 from hpcelastic.slow.pace import Judgement, PaceConfig
@@ -36,15 +39,15 @@ pytestmark = pytest.mark.xdist_group("slow-local")
 SCRIPT = Path(__file__).with_name("slow_train.py")
 #: The slowed worker's quota: this share of the CPU it used over :data:`MEASURE_S` (its compute takes about 4
 #: times as long, on a quiet machine as on a loaded one), at least 10 % (the kernel's least quota, 1 ms, of
-#: :data:`PERIOD_US`). A fixed 3 % slowed a quiet machine's job to 7 % of its pace and no node was named;
+#: the period). A fixed 3 % slowed a quiet machine's job to 7 % of its pace and no node was named;
 #: tests/slurm/test_slow_node_slurm.py sizes its quota the same way.
 USED_SHARE = 0.25
 MEASURE_S = 5.0
-#: The quota's period: 10 ms, not the kernel's default 100 ms. Over a 100 ms period a quiet machine's
-#: throttled rank computed several collectives' share at full speed in one burst, on time at those, and
-#: was last at too few collectives to be named (job at 7 % of its pace, "job-wide"); over 10 ms it is
-#: slow at every collective.
-PERIOD_US = 10000
+#: The quota's periods: 10 ms, and the kernel's default 100 ms. Over 100 ms the throttled rank computes
+#: several collectives' share at full speed in one burst, on time at those, and is last at too few
+#: collectives to be named by them alone (job at 7 % of its pace, "job-wide", before its throttling was
+#: read); over 10 ms it is slow at every collective.
+PERIODS_US = (10000, 100000)
 #: Shorter windows than the defaults, so that a test fits in two minutes.
 TEST_PACE = PaceConfig(window_s=10.0, consecutive=2, min_baseline=2, warmup_steps=5, settle_s=6.0, lag_s=10.0)
 
@@ -63,6 +66,7 @@ class Watched:
     evidence: list[int] = field(default_factory=list)
     #: Per closed window: each node's lateness (what a failure shows: how near the rule it came).
     lateness: list[list[NodeLateness]] = field(default_factory=list)
+    throttle: ThrottleWatch = field(default_factory=ThrottleWatch)
 
     def running(self) -> bool:
         return any(a.poll() is None for a in self.agents)
@@ -70,8 +74,10 @@ class Watched:
     def poll(self) -> None:
         """One second of the agents' reports and the coordinator's tick."""
         time.sleep(1.0)
+        pids = {r: int(p.read_text()) for r in range(4) if (p := self.pids / f"rank-{r}").exists()}
+        throttled = self.throttle.shares(pids)
         for node, col in self.collectors.items():
-            msg = col.sample(0)
+            msg = col.sample(0, throttled=throttled)
             if msg is not None:
                 wire = decode(FROM_AGENT, encode(msg))
                 assert isinstance(wire, SlowSample)
@@ -132,7 +138,8 @@ def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[callabl
             p.kill()
 
 
-def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_quota) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("period_us", PERIODS_US, ids=lambda p: f"{p // 1000}ms")
+def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_quota, period_us: int) -> None:  # type: ignore[no-untyped-def]
     job = watched(seconds=90)
     pid = job.pid(3)
     while job.detector.pace.baseline <= 0 and job.running():
@@ -143,7 +150,7 @@ def test_a_worker_throttled_by_a_cpu_quota_names_its_node_compute(watched, cpu_q
     while time.monotonic() < until and job.running():
         job.poll()
     share = (sum(worker.cpu_times()[:2]) - used) / MEASURE_S * USED_SHARE
-    cpu_quota(pid, max(0.1, share), PERIOD_US)
+    cpu_quota(pid, max(0.1, share), period_us)
     slowed_at = time.time()
     while not any(v.node for v in job.verdicts) and job.running() and time.time() - slowed_at < 75:
         job.poll()

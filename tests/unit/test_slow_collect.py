@@ -66,12 +66,13 @@ def test_the_collector_reports_only_whats_new(tmp_path: Path) -> None:
         arrivals.encode(32, 8_100, [(0, s, 100 * s + 5) for s in range(1, 9)])
     )
     col = NodeCollector(tmp_path, {0: clock, 1: None})
-    msg = col.sample(3, rtt_s=0.001, gpus={1: GpuFacts(1000, 2000)}, now_ns=lambda: 77)
+    msg = col.sample(3, rtt_s=0.001, gpus={1: GpuFacts(1000, 2000)}, throttled={0: 0.75}, now_ns=lambda: 77)
     assert msg is not None and (msg.round, msg.sent_ns, msg.rtt_s) == (3, 77, 0.001)
     r0, r1 = msg.ranks
     assert (r0.rank, r0.steps, r0.step_ns, len(r0.arrivals)) == (0, 40, 9_000, 8)  # the clock's steps
     assert (r1.rank, r1.steps, r1.step_ns) == (1, 32, 8_100)  # no clock: the dump's
     assert r1.gpu == GpuFacts(1000, 2000)
+    assert (r0.cpu_throttled, r1.cpu_throttled) == (0.75, None)
     assert decode(FROM_AGENT, encode(msg)) == msg
     assert col.sample(3) is None  # nothing new
     arrivals.path(tmp_path, 1).write_bytes(

@@ -114,3 +114,13 @@ def test_a_report_of_another_round_is_ignored() -> None:
     det.round_started(2, 0.0, 2)
     det.report("n0", SlowSample(1, 10**9, None, (RankSample(0, 5, 10**9, ((0, 1, 10**9),)),)), 1.0)
     assert det.evidence(PaceWindow(0.0, 10.0, 1.0, 1.0)).arrivals == {}
+
+
+def test_a_ranks_cpu_throttling_reaches_the_evidence_until_the_next_round() -> None:
+    det = SlowDetector()
+    det.round_started(0, 0.0, 2)
+    throttled = RankSample(1, 5, 10**9, cpu_throttled=0.9)
+    det.report("n1", SlowSample(0, 10**9, None, (RankSample(0, 5, 10**9), throttled)), 1.0)
+    assert det.evidence(PaceWindow(0.0, 10.0, 1.0, 1.0)).cpu_throttled == {1: 0.9}
+    det.round_started(1, 20.0, 2)
+    assert det.evidence(PaceWindow(20.0, 30.0, 1.0, 1.0)).cpu_throttled == {}

@@ -212,3 +212,43 @@ def test_gap_is_the_time_between_collectives_even_subsampled() -> None:
     every_fourth = {k: v for k, v in run.arrivals.items() if k[1] % 4 == 0}
     assert loc.gap_s(run.arrivals) == pytest.approx(0.1)
     assert loc.gap_s(every_fourth) == pytest.approx(0.1)
+
+
+def _cfs_outcomes(throttled: dict[int, float] | None, **model: object) -> Counter[tuple[str, str | None]]:
+    """Rank 3 under a CFS quota of 25 % over the kernel's 100 ms period (10 ms steps: the job at about half
+    its pace), 20 seeds, with ``throttled`` as the ranks' ``cpu.stat`` says."""
+    base = simulate(seed=999, compute=0.01, steps=200)
+    found: Counter[tuple[str, str | None]] = Counter()
+    for seed in SEEDS:
+        run = simulate(seed=seed, compute=0.01, steps=200, cpu_quota={3: (0.25, 0.1)}, **model)  # type: ignore[arg-type]
+        ev = loc.Evidence(arrivals=run.arrivals, node_of=run.node_of, cpu_throttled=throttled or {})
+        v = loc.locate(ev, PaceWindow(0.0, run.end, run.rate, base.rate))
+        assert v.window.ratio < 0.6
+        found[(v.kind.value, v.node)] += 1
+    return found
+
+
+def test_a_rank_under_a_cfs_quota_over_100_ms_is_named_on_the_kernels_word() -> None:
+    """It runs its share at full speed and then stands still: late at one step in two or three, so its
+    collectives alone look like a stripe's (job-wide); its cgroup's throttled periods name it."""
+    assert set(_cfs_outcomes(None)) == {("job-wide", None)}
+    quiet = dict.fromkeys(range(3), 0.0)
+    found = _cfs_outcomes(quiet | {3: 0.95})
+    assert found[("compute", "n1")] == 20, found
+    v = verdict(simulate(speed=slowed({3}, 0.5)), cpu_throttled=quiet | {3: 0.95})
+    assert "rank 3's CPU quota throttled it in 95% of its periods" in v.detail
+    # both nodes throttled (a quota on every node alike): nobody on that evidence
+    assert set(_cfs_outcomes(dict.fromkeys(range(4), 0.9))) == {("job-wide", None)}
+    # throttled, but not the node that is late: nobody
+    assert set(_cfs_outcomes({0: 0.9, 1: 0.0, 2: 0.0, 3: 0.0})) == {("job-wide", None)}
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_stripe_is_not_named_for_a_throttled_node_that_is_not_late(k: int) -> None:
+    found: Counter[tuple[str, str | None]] = Counter()
+    for seed in SEEDS:
+        run = simulate(seed=seed, stripe=lambda step, rank: rank == 3 and step % k == 0)
+        ev = loc.Evidence(arrivals=run.arrivals, node_of=run.node_of, cpu_throttled={0: 0.9, 2: 0.0})
+        v = loc.locate(ev, PaceWindow(0.0, run.end, run.rate, HEALTHY.rate))
+        found[(v.kind.value, v.node)] += 1
+    assert set(found) == {("job-wide", None)}, found
