@@ -5,8 +5,10 @@ when the script's ``ddp`` is freed after ``destroy_process_group`` (it is usuall
 ``ProcessGroupGloo``'s destructor joins its threads with the GIL held. A thread still dropping the last
 collective's work (a DCP or object collective's tensors, owned by Python objects) waits for the GIL to
 free them: the worker hangs at exit, after its training ended. Measured on the DDP script saving through
-DCP (tests/faults/slow_train.py without its ``del ddp``): 1 exit in 8 hung under torchrun with the Flight
-Recorder on, 4 in 15 under ``hpcelastic run`` with slow-node detection on (which turns the recorder on).
+DCP (tests/faults/slow_train.py ``--ddp-outlives-group``): 1 exit in 8 hung under torchrun with the Flight
+Recorder on, 11 in 20 under ``hpcelastic run`` with slow-node detection on (which turns the recorder on),
+0 in 20 with this wrap. A timing mitigation: a gloo thread kept off the CPU for longer than
+:data:`SETTLE_S` could still hang; the cure is in torch (the reducer freeing its group without the GIL).
 
 :func:`install` (in a warm-started worker, before its script runs) wraps ``destroy_process_group`` so that,
 after it, the worker sleeps :data:`SETTLE_S` with the GIL released: a gloo thread waiting for the GIL takes

@@ -311,15 +311,15 @@ def _late_node(
     if busiest >= INPUT_SHARE and busiest >= statistics.median(others or [0.0]) + INPUT_MARGIN:
         detail += f"; {busiest:.0%} of its stacks in data loading"
         return SlowVerdict(window, SlowKind.INPUT, node=late.node, rank=late.rank, detail=detail)
-    gpu_notes = [f"GPU of rank {r}: {', '.join(ev.gpus[r].degraded())}" for r in ranks if r in ev.gpus]
-    gpu_notes = [n for n in gpu_notes if not n.endswith(": ")]
-    gpu_notes += [
+    notes = [f"GPU of rank {r}: {', '.join(ev.gpus[r].degraded())}" for r in ranks if r in ev.gpus]
+    notes = [n for n in notes if not n.endswith(": ")]
+    notes += [
         f"rank {r}'s CPU quota throttled it in {ev.cpu_throttled[r]:.0%} of its periods"
         for r in ranks
         if ev.cpu_throttled.get(r, 0.0) >= THROTTLED
     ]
-    if gpu_notes:
-        detail += "; " + "; ".join(gpu_notes)
+    if notes:
+        detail += "; " + "; ".join(notes)
     return SlowVerdict(window, SlowKind.COMPUTE, node=late.node, rank=late.rank, detail=detail)
 
 
