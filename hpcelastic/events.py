@@ -47,6 +47,7 @@ class EventName(Named):
     PROGRESS = "progress"
     REPLICA_GROUP_RESTARTING = "replica_group_restarting"
     REPLICA_GROUP_HEALED = "replica_group_healed"
+    REPLICA_GROUP_STEPPING = "replica_group_stepping"
     REPLICA_GROUP_DROPPED = "replica_group_dropped"
     STOP_IGNORED = "stop_ignored"
     CHECKPOINT_OPENED = "checkpoint_opened"
@@ -89,6 +90,7 @@ CANCELLED = EventName.CANCELLED
 PROGRESS = EventName.PROGRESS
 REPLICA_GROUP_RESTARTING = EventName.REPLICA_GROUP_RESTARTING
 REPLICA_GROUP_HEALED = EventName.REPLICA_GROUP_HEALED
+REPLICA_GROUP_STEPPING = EventName.REPLICA_GROUP_STEPPING
 REPLICA_GROUP_DROPPED = EventName.REPLICA_GROUP_DROPPED
 STOP_IGNORED = EventName.STOP_IGNORED
 CHECKPOINT_OPENED = EventName.CHECKPOINT_OPENED
@@ -263,6 +265,12 @@ def replica_group_restarting(
         reason=reason,
         last_step=last_step,
     )
+
+
+def replica_group_stepping(*, group: int, round: int, step: int) -> Event:
+    """A replica group's first step after every group started together (an attempt's start, or a job-wide
+    restart): the ledger counts the group productive from here, not from the job's first step."""
+    return _event(REPLICA_GROUP_STEPPING, group=group, round=round, step=step)
 
 
 def replica_group_healed(

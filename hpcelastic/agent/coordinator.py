@@ -586,6 +586,13 @@ class Coordinator:
             if now - conn.last_recv <= self._hb_timeout:
                 break
             stream_silent.append(conn)
+        self.state.silent_now(
+            [
+                c.node_rank
+                for c in stream_silent
+                if c.node_rank is not None and c.alive and c.alive.suspected(now)
+            ]
+        )
         for conn in stream_silent:
             if conn.alive is None or not conn.alive.suspected(now):
                 continue

@@ -97,7 +97,7 @@ Action = Send | Record | Say | SaveStacks
 
 
 @dataclass
-class _Hang:
+class Hang:
     """Every node of ``round`` reported stalled: stacks asked for, collected until ``deadline``."""
 
     round: int
@@ -187,7 +187,7 @@ class JobState:
         self.max_restarts = max_restarts
         self.master_addr = master_addr
         self._new_port = new_port
-        self._now = now
+        self.now = now
         self.stop_timeout = stop_timeout + STOP_TIMEOUT_EXTRA
         self.deadline = now() + rdzv_timeout
         self.rdzv_timeout = rdzv_timeout
@@ -208,10 +208,13 @@ class JobState:
         self.bad_nodes: list[str] = []
         #: Nodes found slow enough to exclude at the next requeue (hpcelastic/slow/), first evidence first.
         self.slow_nodes: list[str] = []
-        #: (host, time) of agents that vanished (connection closed or silent): suspects, see :meth:`suspects`.
-        self.vanished: list[tuple[str, float]] = []
+        #: (host, time, peers) of agents that vanished (connection closed or silent): suspects, see
+        #: :meth:`suspects`; ``peers``: the other nodes' agents connected just before (this one's included).
+        self.vanished: list[tuple[str, float, int]] = []
         #: Hosts whose agents went silent (their connection never closed): maybe only a cut link.
         self.silent_hosts: set[str] = set()
+        #: Joined agents the coordinator hears nothing from right now, not lost yet (:meth:`silent_now`).
+        self.overdue: frozenset[int] = frozenset()
         #: The previous round's root-cause signature, if it failed before any progress (a start-up failure).
         self.startup_failure: str | None = None
         #: Some rank of this attempt reached a step (in any round).
@@ -237,7 +240,7 @@ class JobState:
         self.saves_told: JobSaves | None = None
         #: node rank -> (round, report) of its last stall report; a hang being localized.
         self.stall_reports: dict[int, tuple[int, messages.StallReport]] = {}
-        self.hang: _Hang | None = None
+        self.hang: Hang | None = None
         self.steps = _RoundSteps()
         #: Fencing: a node lost by silence may be cut off with its workers still running; its agent stops
         #: them within ``fence_s`` of going silent (its own heartbeat timeout, then a kill). No round
@@ -270,8 +273,8 @@ class JobState:
         if len(self.members) + len(self.departed) < len(self.hosts):
             return []
         if len(self.members) >= self.min_nodes and 0 in self.members:
-            return self._start_round()
-        return self._check_stopped()
+            return self.start_round()
+        return self.check_stopped()
 
     def live(self) -> dict[str, float]:
         """The current round's figures for the metrics endpoint (read from its thread: plain values only):
@@ -305,7 +308,7 @@ class JobState:
             return self.lost(node_rank, reason, unhealthy=unhealthy, signalled_at=signalled_at)
         self.leaving[node_rank] = (reason, signalled_at)
         if self.leaving_until is None:
-            self.leaving_until = self._now() + SIGNAL_SETTLE_S
+            self.leaving_until = self.now() + SIGNAL_SETTLE_S
         if set(self.leaving) >= set(self.members):
             return self._settle_leaving()
         return []
@@ -319,8 +322,8 @@ class JobState:
         for n, (reason, ts) in sorted(leaving.items()):
             actions += self.lost(n, reason, signalled_at=ts, stopped=everyone)
         self._settling = False
-        if everyone and self.phase in _STOPPING:
-            actions += self._check_stopped()
+        if everyone and self.phase in STOPPING_PHASES:
+            actions += self.check_stopped()
         return actions
 
     def lost(
@@ -335,45 +338,63 @@ class JobState:
     ) -> list[Action]:
         """An agent's connection closed or went ``silent``, or it left (a bad node, or stopped by a signal
         delivered at ``signalled_at``; ``stopped``: with every other agent, the step's stop)."""
-        member = self.members.pop(node_rank, None)
-        self._alive_nodes.discard(node_rank)
+        member = self.remove_member(node_rank, silent=silent)
         if member is None or self.phase is Phase.FINISHED:
             return []
-        if silent:
-            self.fence_until = max(self.fence_until, self._now() + self.fence_s)
-            self.silent_hosts.add(member.host)
-        actions = self._departed(
+        actions = self.book_departure(
             node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
         )
         if self.phase is Phase.RENDEZVOUS:
             return actions + self._rendezvous_complete()
         if node_rank not in self.round_nodes:
             return actions
-        self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, self.round, signalled_at))
+        self.lost_in_round.append(self.lost_node(node_rank, member.host, reason, self.round, signalled_at))
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.NODE_LOST)
-        return actions + self._check_stopped() + self._tell_saves()
+        return actions + self.check_stopped() + self._tell_saves()
+
+    def remove_member(self, node_rank: int, *, silent: bool) -> Member | None:
+        """Take ``node_rank`` out of the members; one lost by silence (its workers may run on, cut off) fences
+        the next round, job-wide or a replica group's: none starts before :meth:`fence_wait` is 0."""
+        member = self.members.pop(node_rank, None)
+        self._alive_nodes.discard(node_rank)
+        if member is not None and silent and self.phase is not Phase.FINISHED:
+            self.fence_until = max(self.fence_until, self.now() + self.fence_s)
+            self.silent_hosts.add(member.host)
+        return member
+
+    def fence_wait(self) -> float:
+        """Seconds until a new round may start: a silent node's agent has stopped its workers by then."""
+        return max(0.0, self.fence_until - self.now())
+
+    @staticmethod
+    def fence_text(wait: float) -> str:
+        return f"next round in {wait:.1f} s, once the silent node's agent has stopped its workers (fence)"
 
     # ---- rounds -----------------------------------------------------------------------------
-    def _start_round(self) -> list[Action]:
+    def new_round(self) -> None:
+        """Forget the last round's reports: a job-wide round (or every replica group) starts now."""
         self.round_due = False
-        self.round += 1
         self.phase = Phase.RUNNING
-        previous = set(self.round_nodes)
-        # The lowest node ranks run; spares (the highest ranks) take the place of lost ones in order.
-        self.round_nodes = sorted(self.members)[: self.round_size]
         self.started, self.stopped, self.done = {}, set(), set()
         self.failures, self.lost_in_round = [], []
         self.stop_signal_hold_until = None
         self.steps = _RoundSteps()
-        actions = self._round_actions(self.round_nodes, self.restart_count)
+
+    def start_round(self) -> list[Action]:
+        previous = set(self.round_nodes)
+        self.new_round()
+        self.round += 1
+        # The lowest node ranks run; spares (the highest ranks) take the place of lost ones in order.
+        self.round_nodes = sorted(self.members)[: self.round_size]
+        actions = self.round_actions(self.round_nodes, self.restart_count)
         if previous:
             promoted = [self.members[n].host for n in self.round_nodes if n not in previous]
             if promoted:
                 actions.append(Say(f"spare node(s) {', '.join(promoted)} take the place of the lost node(s)"))
         return actions
 
-    def _round_actions(self, nodes: Sequence[int], restart_count: int, **extra: Any) -> list[Action]:
+    def round_actions(self, nodes: Sequence[int], restart_count: int, **extra: Any) -> list[Action]:
         """Open round ``self.round`` on ``nodes``: a fresh port, a ``rendezvous`` event, a ``Round`` per node.
 
         ``extra`` are further :class:`messages.Round` fields (replica groups set theirs).
@@ -421,7 +442,7 @@ class JobState:
         self._round_nodes = nodes
         self._alive_nodes = {n for n in nodes if n in self.members}
 
-    def _current(self, node_rank: int, round_: int) -> bool:
+    def is_current(self, node_rank: int, round_: int) -> bool:
         """Whether ``round_`` is the round ``node_rank`` runs now (replica groups: its group's)."""
         return round_ == self.round
 
@@ -462,18 +483,18 @@ class JobState:
         """An agent saw workers fail: every agent is told to stop its workers."""
         if round_ != self.round or self.phase is Phase.FINISHED:
             return []
-        actions = self._record(node_rank, failures)
+        actions = self.record_failures(node_rank, failures)
         if self.phase is Phase.RUNNING:
             actions += self._begin_stop(RestartCause.WORKER_FAILED)
         return actions
 
     def workers_stopped(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
         """An agent's workers are all gone; decide once every agent of the round says so."""
-        if round_ != self.round or self.phase not in _STOPPING:
+        if round_ != self.round or self.phase not in STOPPING_PHASES:
             return []
-        actions = self._record(node_rank, failures)
+        actions = self.record_failures(node_rank, failures)
         self.stopped.add(node_rank)
-        return actions + self._check_stopped() + self._tell_saves()
+        return actions + self.check_stopped() + self._tell_saves()
 
     def workers_done(self, node_rank: int, round_: int) -> list[Action]:
         """An agent's workers all exited 0 (exit barrier): success once every node is done."""
@@ -481,7 +502,7 @@ class JobState:
             return []
         self.done.add(node_rank)
         if self.done >= self._alive_round_nodes():
-            return self._finish(Reason.SUCCEEDED)
+            return self.finish(Reason.SUCCEEDED)
         return []
 
     def preempt(self, node_rank: int, signal: str) -> list[Action]:
@@ -489,11 +510,11 @@ class JobState:
         if self.phase in (Phase.FINISHED, Phase.PREEMPTING):
             return []
         if self.phase is Phase.RENDEZVOUS or not self._alive_round_nodes():
-            return self._finish(Reason.PREEMPTED)
+            return self.finish(Reason.PREEMPTED)
         self.phase = Phase.PREEMPTING
         self.stopped = set()
-        self.deadline = self._now() + self.stop_timeout
-        self.step_reports, self.step_deadline = {}, self._now() + REPORT_TIMEOUT_S
+        self.deadline = self.now() + self.stop_timeout
+        self.step_reports, self.step_deadline = {}, self.now() + REPORT_TIMEOUT_S
         self.saves, self.save_rounds, self.saves_told = {}, {}, None
         return [Send(n, messages.Preempt(self.round, signal)) for n in sorted(self.members)]
 
@@ -503,10 +524,10 @@ class JobState:
             return []
         self.step_reports[node_rank] = (step, rate)
         if self.step_reports.keys() >= self._alive_round_nodes():
-            return self._fix_stop_step()
+            return self.fix_stop_step()
         return []
 
-    def _fix_stop_step(self) -> list[Action]:
+    def fix_stop_step(self) -> list[Action]:
         """Tell every round node the step all ranks stop after (see ``stop_step.py``)."""
         self.step_deadline = None
         step = stop_step(self.step_reports.values())
@@ -517,10 +538,10 @@ class JobState:
     def saving(self, node_rank: int, round_: int, saving: bool, idle_s: float | None) -> list[Action]:
         """A round node's saves changed during the stop (``idle_s``: since its last write); every round node
         hears the job's when that changes."""
-        current = self._current(node_rank, round_) and node_rank in self._alive_nodes
+        current = self.is_current(node_rank, round_) and node_rank in self._alive_nodes
         if not current or self.phase is not Phase.PREEMPTING:
             return []
-        now = self._now()
+        now = self.now()
         last = now if saving else None if idle_s is None else now - idle_s
         self.saves[node_rank] = NodeSaves(saving, last)
         self.save_rounds[node_rank] = round_
@@ -537,13 +558,13 @@ class JobState:
             return []
         self.saves_told = verdict
         since, saving = verdict.quiet_since, verdict.saving
-        quiet = None if saving or since is None else max(0.0, self._now() - since)
+        quiet = None if saving or since is None else max(0.0, self.now() - since)
         return [Send(n, messages.JobSaving(self.save_rounds[n], saving, quiet)) for n in sorted(nodes)]
 
     def progress(self, node_rank: int, round_: int, step: int, ts: float, ranks: int) -> list[Action]:
         """An agent's highest step: a ``progress`` event for the round's first step, then at most one per
         :data:`~hpcelastic.events.PROGRESS_INTERVAL_S`; the round's last step is written when it stops."""
-        if round_ != self.round or self.phase not in (Phase.RUNNING, *_STOPPING):
+        if round_ != self.round or self.phase not in (Phase.RUNNING, *STOPPING_PHASES):
             return []
         st = self.steps
         st.ranks[node_rank] = ranks
@@ -551,7 +572,7 @@ class JobState:
         if st.step is not None and step <= st.step:
             return []
         st.step, st.ts = step, ts
-        now = self._now()
+        now = self.now()
         if st.marked_at is None:
             st.first = (step, ts)
             return [
@@ -570,7 +591,7 @@ class JobState:
     def _progress_mark(self, mark: events.ProgressMark) -> Record:
         st = self.steps
         assert st.step is not None
-        st.marked_at = self._now()
+        st.marked_at = self.now()
         ranks = sum(st.ranks.values())
         return Record(
             events.progress(
@@ -590,32 +611,32 @@ class JobState:
 
     def tick(self) -> list[Action]:
         """Time-driven decisions: rendezvous timeout, agents that never finish stopping, the stop step."""
-        now = self._now()
+        now = self.now()
         if self.leaving_until is not None and now >= self.leaving_until:
             return self._settle_leaving()
         if self.stop_signal_hold_until is not None and now >= self.stop_signal_hold_until:
             self.stop_signal_hold_until = None
-            return self._check_stopped()
-        if self.round_due and now >= self.fence_until and self.phase in _STOPPING:
-            return self._start_round()
+            return self.check_stopped()
+        if self.round_due and now >= self.fence_until and self.phase in STOPPING_PHASES:
+            return self.start_round()
         if self.phase is Phase.PREEMPTING and self.step_deadline is not None and now >= self.step_deadline:
-            return self._fix_stop_step()
+            return self.fix_stop_step()
         if self.hang is not None and self.hang.round == self.round and now >= self.hang.deadline:
-            return self._declare_hang()
+            return self.declare_hang()
         if self.phase is Phase.RENDEZVOUS and now >= self.deadline:
             if len(self.members) >= self.min_nodes and self.members:
                 missing = ", ".join(self.missing())
                 return [
                     Say(f"rendezvous timed out; continuing without node(s) {missing}"),
-                    *self._start_round(),
+                    *self.start_round(),
                 ]
-            return self._finish(
+            return self.finish(
                 Reason.TOO_FEW_NODES,
                 f"rendezvous timed out after {self.rdzv_timeout:g} s: {len(self.members)} of "
                 f"{len(self.hosts)} nodes joined (need {self.min_nodes}); "
                 f"missing: {', '.join(self.missing())}",
             )
-        if self.phase in _STOPPING and now >= self.deadline:
+        if self.phase in STOPPING_PHASES and now >= self.deadline:
             actions: list[Action] = []
             for n in sorted(self._alive_round_nodes() - self.stopped):
                 actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
@@ -635,7 +656,7 @@ class JobState:
         if not alive or not stalled >= alive:
             return []
         idle = min(self.stall_reports[n][1].idle_s for n in alive)
-        self.hang = _Hang(self.round, self._now() + STACKS_TIMEOUT, idle)
+        self.hang = Hang(self.round, self.now() + STACKS_TIMEOUT, idle)
         return [
             Say(f"no rank made progress for {idle:g} s: hang; taking every worker's stacks"),
             *(Send(n, messages.DumpStacks(self.round)) for n in sorted(alive)),
@@ -646,12 +667,12 @@ class JobState:
         hang = self.hang
         if hang is None or report.round != hang.round or hang.round != self.round:
             return []
-        self._add_stacks(hang, node_rank, report)
+        self.add_stacks(hang, node_rank, report)
         if hang.replied >= self._alive_round_nodes():
-            return self._declare_hang()
+            return self.declare_hang()
         return []
 
-    def _add_stacks(self, hang: _Hang, node_rank: int, report: messages.StacksReport) -> None:
+    def add_stacks(self, hang: Hang, node_rank: int, report: messages.StacksReport) -> None:
         host = self.members[node_rank].host if node_rank in self.members else ""
         for rank_s, doc in report.stacks.items():
             rank = int(rank_s)
@@ -660,15 +681,15 @@ class JobState:
         hang.replied.add(node_rank)
         hang.unreachable[node_rank] = report.unreachable
 
-    def _declare_hang(self) -> list[Action]:
+    def declare_hang(self) -> list[Action]:
         """Localize across all ranks, save the stacks, fail the root rank(s): the round restarts."""
         hang = self.hang
         if hang is None or self.phase is not Phase.RUNNING:
             return []
-        self.hang = _Hang(hang.round, float("inf"), hang.idle_s)  # declared once per round
+        self.hang = Hang(hang.round, float("inf"), hang.idle_s)  # declared once per round
         node_of = {rank: int(info["node_rank"]) for rank, info in hang.info.items()}
         loc = localize(hang.stacks, Reachability(node_of, hang.unreachable))
-        now = self._now()
+        now = self.now()
         base = {"round": hang.round, "exitcode": None, "signal": None, "ts": now, "hang": loc.to_json()}
         stacks_file = f"stacks/attempt-{self.attempt}/round-{hang.round}.json"
         failures: list[dict[str, Any]] = []
@@ -699,14 +720,14 @@ class JobState:
         actions: list[Action] = [SaveStacks(self.attempt, hang.round, hang.stacks, loc, hang.info)]
         self.failures.extend(failures)
         actions += [Record(events.worker_failed(f, exit_ts=now)) for f in failures]
-        return actions + self._stop_after_hang()
+        return actions + self.stop_after_hang()
 
-    def _stop_after_hang(self) -> list[Action]:
+    def stop_after_hang(self) -> list[Action]:
         """A hang was declared: the round stops (replica groups stop only the hung group)."""
         return self._begin_stop(RestartCause.WORKER_FAILED)
 
     # ---- internals --------------------------------------------------------------------------
-    def _record(self, node_rank: int, failures: Sequence[Failure]) -> list[Action]:
+    def record_failures(self, node_rank: int, failures: Sequence[Failure]) -> list[Action]:
         actions: list[Action] = []
         for f in failures:
             f = {
@@ -717,17 +738,17 @@ class JobState:
             self.failures.append(f)
             actions.append(Record(events.worker_failed(f, exit_ts=f.get("ts"))))
             if f.get("signal") == STEP_STOP_SIGNAL and self.stop_signal_hold_until is None:
-                self.stop_signal_hold_until = self._now() + SIGNAL_SETTLE_S
+                self.stop_signal_hold_until = self.now() + SIGNAL_SETTLE_S
         return actions
 
-    def _lost_node(
+    def lost_node(
         self, node_rank: int, host: str, reason: str, round_: int, signalled_at: float | None
     ) -> LostNode:
         """A lost round node: gone now, or when the signal that stopped its agent came."""
-        ts = self._now() if signalled_at is None else signalled_at
+        ts = self.now() if signalled_at is None else signalled_at
         return LostNode(node_rank, host, reason, ts, round_, signalled_at is not None)
 
-    def _departed(
+    def book_departure(
         self,
         node_rank: int,
         member: Member,
@@ -746,7 +767,8 @@ class JobState:
         actions: list[Action] = [Record(record(node_rank=node_rank, node=member.host, reason=reason))]
         if signalled_at is None and not unhealthy:
             before = len(self.suspects())
-            self.vanished.append((member.host, self._now()))
+            peers = 1 + sum(1 for n in self.members if n != 0)
+            self.vanished.append((member.host, self.now(), peers))
             if len(self.suspects()) < before + 1:
                 actions.append(Say(self._suspect_self_text()))
         self.departed.add(node_rank)
@@ -758,26 +780,44 @@ class JobState:
             self.slow_nodes.append(host)
 
     def suspects(self) -> list[str]:
-        """The vanished nodes held against themselves: all but those lost together with most others
-        (:data:`SUSPECT_SELF_SHARE` within :data:`SUSPECT_SELF_WINDOW_S`): this node's link explains those."""
-        others = len(self.hosts) - 1
+        """The vanished nodes held against themselves: all but those lost together with most of the other
+        nodes still connected then (:data:`SUSPECT_SELF_SHARE` within :data:`SUSPECT_SELF_WINDOW_S`): this
+        node's link explains those. Counted against the nodes still there, not the job's first ones: nodes
+        lost hours before cannot be lost again (the simulated weeks with replica groups found a late cut of
+        this node's link blaming the few nodes left)."""
         out = []
-        for host, t in self.vanished:
-            together = sum(1 for _, u in self.vanished if abs(u - t) <= SUSPECT_SELF_WINDOW_S)
+        for host, t, _ in self.vanished:
+            together, others = self._burst(t)
             if together < 2 or together <= SUSPECT_SELF_SHARE * others:
                 out.append(host)
         return out
 
+    def silent_now(self, nodes: Collection[int]) -> None:
+        """The server's liveness pass found these agents silent (overdue, not lost yet): losses it is about to
+        report count with the burst now, so a decision made in the middle of the pass sees the burst whole
+        (the simulated weeks found an attempt ended, and its first lost nodes blamed, before the rest of a
+        cut-off coordinator's burst was counted)."""
+        self.overdue = frozenset(nodes)
+
+    def _burst(self, t: float) -> tuple[int, int]:
+        """How many agents vanished within SUSPECT_SELF_WINDOW_S of ``t`` (with those silent now, when ``t``
+        is recent), and how many were there to lose."""
+        burst = [p for _, u, p in self.vanished if abs(u - t) <= SUSPECT_SELF_WINDOW_S]
+        pending = 0
+        if self.now() - t <= SUSPECT_SELF_WINDOW_S:
+            pending = sum(1 for n in self.overdue if n in self.members and n != 0)
+        return len(burst) + pending, max(burst)
+
     def _suspect_self_text(self) -> str:
-        others = sum(1 for host, _ in self.vanished if host != self.hosts[0])
+        together, others = self._burst(self.vanished[-1][1])
         return (
-            f"{others} of the {len(self.hosts) - 1} other nodes went silent at once: this node's "
+            f"{together} of the {others} other nodes went silent at once: this node's "
             "own network is the likelier cause, so none of them is excluded next time"
         )
 
     def _begin_stop(self, reason: RestartCause) -> list[Action]:
         self.phase = Phase.STOPPING
-        self.deadline = self._now() + self.stop_timeout
+        self.deadline = self.now() + self.stop_timeout
         return [Send(n, messages.Stop(self.round, reason)) for n in sorted(self._alive_round_nodes())]
 
     def _holding_for_the_steps_stop(self) -> bool:
@@ -785,41 +825,41 @@ class JobState:
         every agent got its signal yet, and they may still: within SIGNAL_SETTLE_S of the first death."""
         return (
             self.stop_signal_hold_until is not None
-            and self._now() < self.stop_signal_hold_until
+            and self.now() < self.stop_signal_hold_until
             and all(f.get("signal") == STEP_STOP_SIGNAL for f in self.failures)
             and all(n.signalled for n in self.lost_in_round)
             and not self._all_signalled()
         )
 
-    def _check_stopped(self) -> list[Action]:
+    def check_stopped(self) -> list[Action]:
         if self._settling:
             return []
         if self.phase is Phase.RENDEZVOUS:
             actions: list[Action] = []
-        elif self.phase not in _STOPPING or not self.stopped >= self._alive_round_nodes():
+        elif self.phase not in STOPPING_PHASES or not self.stopped >= self._alive_round_nodes():
             return []
         elif self.phase is Phase.PREEMPTING:
-            return self._finish(Reason.PREEMPTED)
+            return self.finish(Reason.PREEMPTED)
         elif self._holding_for_the_steps_stop():
             return []  # tick decides once the hold is over
         else:
             actions = self._last_progress() + self._root_cause()
             repeated = self._repeated_startup_failure()
             if repeated:
-                return actions + self._finish(Reason.STARTUP_FAILURE, repeated)
+                return actions + self.finish(Reason.STARTUP_FAILURE, repeated)
         if 0 not in self.members:
             if self.hosts[0] in self.bad_nodes:
-                return actions + self._finish(Reason.NODE_UNHEALTHY, "the coordinator's node is unhealthy")
-            return actions + self._finish(Reason.COORDINATOR_LOST, "the coordinator's agent left")
+                return actions + self.finish(Reason.NODE_UNHEALTHY, "the coordinator's node is unhealthy")
+            return actions + self.finish(Reason.COORDINATOR_LOST, "the coordinator's agent left")
         if len(self.members) < self.min_nodes:
-            return actions + self._finish(
+            return actions + self.finish(
                 Reason.TOO_FEW_NODES,
                 f"{len(self.members)} node(s) remain, fewer than the minimum {self.min_nodes}",
             )
         if self.round_due:
             return actions  # the restart is decided: its round opens once the fence has passed (tick)
         if self.restart_count >= self.max_restarts:
-            return actions + self._finish(
+            return actions + self.finish(
                 Reason.RESTARTS_EXHAUSTED,
                 f"the job-wide restart budget ({self.max_restarts}) is spent",
             )
@@ -845,13 +885,11 @@ class JobState:
 
     def _round_after_fence(self) -> list[Action]:
         """The next round now, or once the lost nodes' agents have surely stopped their workers."""
-        wait = self.fence_until - self._now()
+        wait = self.fence_wait()
         if wait <= 0:
-            return self._start_round()
+            return self.start_round()
         self.round_due = True
-        return [
-            Say(f"next round in {wait:.1f} s, once the silent node's agent has stopped its workers (fence)")
-        ]
+        return [Say(self.fence_text(wait))]
 
     def _root_cause(self) -> list[Action]:
         """The round's root cause as an event and a line (see :meth:`_round_cause`)."""
@@ -970,7 +1008,7 @@ class JobState:
             and all(self._follows_the_stop(f) for f in self.failures)
         )
 
-    def _finish(self, reason: Reason, message: str = "") -> list[Action]:
+    def finish(self, reason: Reason, message: str = "") -> list[Action]:
         last = self._last_progress()
         self.phase = Phase.FINISHED
         # A node whose agent vanished (crash, OOM kill, node down) is as suspect as one that
@@ -981,7 +1019,7 @@ class JobState:
         return [*last, *(Send(n, self.result) for n in sorted(self.members))]
 
 
-_STOPPING = (Phase.STOPPING, Phase.PREEMPTING)
+STOPPING_PHASES = (Phase.STOPPING, Phase.PREEMPTING)
 
 
 @dataclass

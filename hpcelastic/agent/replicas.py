@@ -1,6 +1,6 @@
 """torchft replica groups (``--replica-groups R``): the coordinator's decisions per group, free of I/O.
 
-The round's nodes are split into R groups of contiguous node ranks (:func:`plan_groups`); each group is
+The round's nodes are split into R groups of consecutive node ranks (:func:`plan_groups`); each group is
 a torch.distributed world of its own (its own ``MASTER_ADDR``/``MASTER_PORT`` and ranks) and one
 replica of torchft's quorum. :class:`ReplicaJobState` extends :class:`~hpcelastic.agent.job_state.JobState`:
 
@@ -11,10 +11,17 @@ replica of torchft's quorum. :class:`ReplicaJobState` extends :class:`~hpcelasti
 - a group that lost a node restarts with a spare in its place (a ``--spare-nodes`` node, or a node of
   a group left out); without one it is left out (torchft pairs rank r of every group with rank r of the
   others, so the groups must keep the same size), and so is a group whose restart budget is spent: each
-  group may restart ``--max-restarts`` times (counted per group). A group is dropped
-  (``replica_group_dropped``) while at least ``--min-replica-groups`` groups remain; below that the
-  job-wide path applies (every group stops, the job-wide budget of ``--max-restarts`` restarts, then
-  the requeue), as without replica groups.
+  group may restart ``--max-restarts`` times (counted per group);
+- a group restart after a node was lost by silence waits for the same fence as a job-wide round
+  (:meth:`~hpcelastic.agent.job_state.JobState.fence_wait`): the lost node's workers may run until its
+  lease ends;
+- a group is dropped (``replica_group_dropped``) while at least ``--min-replica-groups`` groups remain;
+  below that the job-wide path applies (every group stops, the job-wide budget of ``--max-restarts``
+  restarts, then the requeue), as without replica groups. A job-wide restart forms the groups again from
+  the nodes left, spares filling the places of lost nodes (:func:`plan_groups`).
+
+``hpcelastic/sim/replicas.py`` drives this class through simulated weeks (the invariants in
+``sim/replica_invariants.py``).
 
 Hangs (``--stall-timeout``) are judged per group: a group is hung when every node of its current round
 reports that its ranks made no progress (py-spy samples or heartbeats, ``agent/hangwatch.py``). A group
@@ -37,15 +44,15 @@ from typing import Any
 from hpcelastic import events
 from hpcelastic.agent import messages
 from hpcelastic.agent.job_state import (
-    _STOPPING,
     STACKS_TIMEOUT,
+    STOPPING_PHASES,
     Action,
+    Hang,
     JobState,
     Phase,
     Record,
     Say,
     Send,
-    _Hang,
 )
 from hpcelastic.agent.messages import Failure
 from hpcelastic.hangs.localize import localize
@@ -53,10 +60,12 @@ from hpcelastic.reasons import Named, Reason, RestartCause
 
 
 def plan_groups(node_ranks: Sequence[int], num_nodes: int, groups: int) -> list[list[int]]:
-    """Group g gets the node ranks ``[g*k, (g+1)*k)`` (k = num_nodes // groups) present in ``node_ranks``."""
+    """Group g gets the g-th k of the present node ranks in order (k = num_nodes // groups): with every node
+    there, ranks ``[g*k, (g+1)*k)``; at a job-wide restart, spares fill the places of lost nodes. A group that
+    cannot get k nodes gets none (left out): torchft pairs rank r of every group with rank r of the others."""
     k = num_nodes // groups
-    present = set(node_ranks)
-    return [[n for n in range(g * k, (g + 1) * k) if n in present] for g in range(groups)]
+    present = sorted(node_ranks)
+    return [present[g * k : (g + 1) * k] if len(present) >= (g + 1) * k else [] for g in range(groups)]
 
 
 def check_groups(num_nodes: int, groups: int, min_groups: int) -> str | None:
@@ -100,6 +109,8 @@ class Group:
     last_step: int | None = None
     #: Set while a restarted group has not stepped yet: (its last step before the failure, when it failed).
     healing: tuple[int | None, float] | None = None
+    #: Stopped, its restart waiting for the fence (a node of the job was lost by silence).
+    fenced: bool = False
 
 
 class ReplicaJobState(JobState):
@@ -123,14 +134,16 @@ class ReplicaJobState(JobState):
         #: node rank -> the round its agent runs now (rounds are numbered job-wide, one per group round).
         self.node_round: dict[int, int] = {}
         #: group index -> its hang being localized (stacks asked for); when a group last stopped or healed.
-        self.group_hangs: dict[int, _Hang] = {}
+        self.group_hangs: dict[int, Hang] = {}
         self.groups_changed_at = -float("inf")
         #: group index -> when a hang without a root rank in it may be looked at again.
         self.hang_recheck_at: dict[int, float] = {}
 
     # ---- queries --------------------------------------------------------------------------------
     def group_of(self, node_rank: int) -> Group | None:
-        return next((g for g in self.groups if node_rank in g.nodes), None)
+        """The live group ``node_rank`` runs in (a group left out keeps its node list; a spare taken from it
+        belongs to the group it joined)."""
+        return next((g for g in self.live_groups() if node_rank in g.nodes), None)
 
     def _alive(self, g: Group) -> list[int]:
         return [n for n in g.nodes if n in self.members]
@@ -138,19 +151,17 @@ class ReplicaJobState(JobState):
     def live_groups(self) -> list[Group]:
         return [g for g in self.groups if g.phase is not GroupPhase.DROPPED]
 
-    def _current(self, node_rank: int, round_: int) -> bool:
+    def is_current(self, node_rank: int, round_: int) -> bool:
         return self.node_round.get(node_rank) == round_
 
     # ---- rounds ---------------------------------------------------------------------------------
-    def _start_round(self) -> list[Action]:
+    def start_round(self) -> list[Action]:
         """The first round, or a job-wide restart: every group (re)starts."""
-        self.phase = Phase.RUNNING
-        self.started, self.stopped, self.done = {}, set(), set()
-        self.failures, self.lost_in_round = [], []
+        self.new_round()
         nodes = sorted(self.members)[: self.round_size]
         plan = plan_groups(nodes, self.round_size, self.replica_groups)
         if sum(1 for members in plan if members) < self.min_replica_groups:
-            return self._finish(
+            return self.finish(
                 Reason.TOO_FEW_NODES,
                 f"{sum(1 for m in plan if m)} replica group(s) have nodes, fewer than --min-replica-groups "
                 f"{self.min_replica_groups}",
@@ -177,7 +188,7 @@ class ReplicaJobState(JobState):
         g.started, g.stopped, g.done = {}, set(), set()
         for n in g.nodes:
             self.node_round[n] = self.round
-        return self._round_actions(
+        return self.round_actions(
             g.nodes,
             g.restarts,
             replica_group=g.index,
@@ -187,7 +198,7 @@ class ReplicaJobState(JobState):
 
     def started_workers(self, node_rank: int, round_: int, ts: float, *args: Any, **kw: Any) -> list[Action]:
         g = self.group_of(node_rank)
-        if g is None or not self._current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
+        if g is None or not self.is_current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
             return []
         with self._in_group(g):  # the base class's bookkeeping, for this group's round
             return super().started_workers(node_rank, round_, ts, *args, **kw)
@@ -204,31 +215,31 @@ class ReplicaJobState(JobState):
     # ---- failures -------------------------------------------------------------------------------
     def worker_failed(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
         g = self.group_of(node_rank)
-        if g is None or not self._current(node_rank, round_) or self.phase is Phase.FINISHED:
+        if g is None or not self.is_current(node_rank, round_) or self.phase is Phase.FINISHED:
             return []
-        actions = self._record(node_rank, failures)
+        actions = self.record_failures(node_rank, failures)
         if self.phase is Phase.RUNNING and g.phase is GroupPhase.RUNNING:
             actions += self._stop_group(g, RestartCause.WORKER_FAILED)
         return actions
 
     def _stop_group(self, g: Group, cause: RestartCause) -> list[Action]:
         g.phase, g.cause = GroupPhase.STOPPING, cause
-        g.deadline = self._now() + self.stop_timeout
-        self.groups_changed_at = self._now()
-        g.healing = (g.last_step, self._now())
+        g.deadline = self.now() + self.stop_timeout
+        self.groups_changed_at = self.now()
+        g.healing = (g.last_step, self.now())
         return [Send(n, messages.Stop(g.round, cause)) for n in self._alive(g) if n not in g.stopped]
 
     def workers_stopped(self, node_rank: int, round_: int, failures: Sequence[Failure]) -> list[Action]:
-        if not self._current(node_rank, round_):
+        if not self.is_current(node_rank, round_):
             return []
-        if self.phase in _STOPPING:  # the job-wide path
-            actions = self._record(node_rank, failures)
+        if self.phase in STOPPING_PHASES:  # the job-wide path
+            actions = self.record_failures(node_rank, failures)
             self.stopped.add(node_rank)
-            return actions + self._check_stopped()
+            return actions + self.check_stopped()
         g = self.group_of(node_rank)
         if g is None or g.phase is not GroupPhase.STOPPING:
             return []
-        actions = self._record(node_rank, failures)
+        actions = self.record_failures(node_rank, failures)
         g.stopped.add(node_rank)
         return actions + self._group_stopped(g)
 
@@ -239,6 +250,11 @@ class ReplicaJobState(JobState):
             return []
         if not alive:
             return self._drop(g, "no node of the group is left")
+        wait = self.fence_wait()
+        if wait > 0:  # decided once the fence has passed (tick), on the nodes and spares left then
+            was, g.fenced = g.fenced, True
+            return [] if was else [Say(f"replica group {g.index}: {self.fence_text(wait)}")]
+        g.fenced = False
         actions: list[Action] = []
         lacking = self.round_size // self.replica_groups - len(alive)
         if lacking > 0:
@@ -246,6 +262,10 @@ class ReplicaJobState(JobState):
             spares = self._spares()
             if len(spares) < lacking:
                 return self._drop(g, f"it lost {lacking} of its nodes and no spare is left")
+            taken = set(spares[:lacking])
+            for x in self.groups:  # a spare from a group left out is no longer that group's
+                if x.phase is GroupPhase.DROPPED:
+                    x.nodes = [n for n in x.nodes if n not in taken]
             alive = sorted(alive + spares[:lacking])
             names = ", ".join(self.members[n].host for n in spares[:lacking])
             actions.append(
@@ -310,15 +330,18 @@ class ReplicaJobState(JobState):
     def _job_wide_stop(self, cause: RestartCause) -> list[Action]:
         """Fewer than ``--min-replica-groups`` groups: stop everything; the base class decides what next."""
         self.phase = Phase.STOPPING
-        self.deadline = self._now() + self.stop_timeout
+        self.deadline = self.now() + self.stop_timeout
         self.round_nodes = [n for g in self.groups for n in g.nodes if n in self.members]
-        self.stopped = {n for g in self.groups if g.phase is not GroupPhase.RUNNING for n in g.nodes}
-        self.stopped |= {n for g in self.groups for n in g.stopped}
+        # Stopped: the nodes of groups done or left out (no workers), and those of a stopping group that
+        # reported their stop (a group left out keeps the stop reports of its last round: not this one's).
+        idle = (GroupPhase.DONE, GroupPhase.DROPPED)
+        self.stopped = {n for g in self.groups if g.phase in idle for n in g.nodes}
+        self.stopped |= {n for g in self.groups if g.phase is GroupPhase.STOPPING for n in g.stopped}
         actions: list[Action] = [Say("too few replica groups left: stopping every group (job-wide path)")]
         for n in self.round_nodes:
             if n not in self.stopped:
                 actions.append(Send(n, messages.Stop(self.node_round[n], cause)))
-        return actions + self._check_stopped()
+        return actions + self.check_stopped()
 
     def lost(
         self,
@@ -340,12 +363,12 @@ class ReplicaJobState(JobState):
                 silent=silent,
                 stopped=stopped,
             )
-        member = self.members.pop(node_rank)
-        self._alive_nodes.discard(node_rank)
-        actions = self._departed(
+        member = self.remove_member(node_rank, silent=silent)
+        assert member is not None
+        actions = self.book_departure(
             node_rank, member, reason, unhealthy=unhealthy, signalled_at=signalled_at, stopped=stopped
         )
-        self.lost_in_round.append(self._lost_node(node_rank, member.host, reason, g.round, signalled_at))
+        self.lost_in_round.append(self.lost_node(node_rank, member.host, reason, g.round, signalled_at))
         if node_rank == 0:  # the coordinator's own agent: nothing can go on without it
             return actions + self._job_wide_stop(RestartCause.NODE_LOST)
         if g.phase is GroupPhase.RUNNING:
@@ -355,7 +378,7 @@ class ReplicaJobState(JobState):
     # ---- success, progress, time ----------------------------------------------------------------
     def workers_done(self, node_rank: int, round_: int) -> list[Action]:
         g = self.group_of(node_rank)
-        if g is None or not self._current(node_rank, round_) or self.phase is not Phase.RUNNING:
+        if g is None or not self.is_current(node_rank, round_) or self.phase is not Phase.RUNNING:
             return []
         if g.phase is not GroupPhase.RUNNING:
             return []
@@ -367,16 +390,18 @@ class ReplicaJobState(JobState):
     def _check_all_done(self) -> list[Action]:
         live = self.live_groups()
         if self.phase is Phase.RUNNING and live and all(g.phase is GroupPhase.DONE for g in live):
-            return self._finish(Reason.SUCCEEDED)
+            return self.finish(Reason.SUCCEEDED)
         return []
 
     def progress(self, node_rank: int, round_: int, step: int, ts: float, ranks: int) -> list[Action]:
         g = self.group_of(node_rank)
-        if g is None or not self._current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
+        if g is None or not self.is_current(node_rank, round_) or g.phase is not GroupPhase.RUNNING:
             return []
         actions: list[Action] = []
         if g.healing is not None:
             actions += self._healed(g, step, ts)
+        elif g.last_step is None:  # its first step since every group started together
+            actions.append(Record(events.replica_group_stepping(group=g.index, round=g.round, step=step)))
         g.last_step = step if g.last_step is None else max(g.last_step, step)
         # The job's progress events follow the highest step of any group.
         return actions + super().progress(node_rank, self.round, step, ts, ranks)
@@ -384,7 +409,7 @@ class ReplicaJobState(JobState):
     def _healed(self, g: Group, step: int, ts: float) -> list[Action]:
         before, failed_at = g.healing or (None, ts)
         g.healing = None
-        self.groups_changed_at = self._now()
+        self.groups_changed_at = self.now()
         peers = [
             x.index
             for x in self.groups
@@ -409,11 +434,13 @@ class ReplicaJobState(JobState):
 
     def step_report(self, node_rank: int, round_: int, step: int | None, rate: float) -> list[Action]:
         return (
-            super().step_report(node_rank, self.round, step, rate) if self._current(node_rank, round_) else []
+            super().step_report(node_rank, self.round, step, rate)
+            if self.is_current(node_rank, round_)
+            else []
         )
 
-    def _fix_stop_step(self) -> list[Action]:
-        actions = super()._fix_stop_step()
+    def fix_stop_step(self) -> list[Action]:
+        actions = super().fix_stop_step()
         return [
             Send(a.node_rank, messages.StopAt(self.node_round.get(a.node_rank, -1), a.message.step))
             if isinstance(a, Send) and isinstance(a.message, messages.StopAt)
@@ -425,11 +452,13 @@ class ReplicaJobState(JobState):
         actions = super().tick()
         if self.phase is not Phase.RUNNING:
             return actions
-        now = self._now()
+        now = self.now()
         if self.group_hangs and now >= min(h.deadline for h in self.group_hangs.values()):
             actions += self._declare_group_hangs()
         actions += self._check_group_hangs()
         for g in self.groups:
+            if g.fenced and self.fence_wait() <= 0:
+                actions += self._group_stopped(g)
             if g.phase is GroupPhase.STOPPING and now >= g.deadline:
                 for n in [n for n in self._alive(g) if n not in g.stopped]:
                     actions += self.lost(n, f"did not stop its workers within {self.stop_timeout:g} s")
@@ -437,7 +466,7 @@ class ReplicaJobState(JobState):
 
     # ---- hangs, per group (see the module docstring) --------------------------------------------
     def stall_report(self, node_rank: int, report: messages.StallReport) -> list[Action]:
-        if self.group_of(node_rank) is None or not self._current(node_rank, report.round):
+        if self.group_of(node_rank) is None or not self.is_current(node_rank, report.round):
             return []
         self.stall_reports[node_rank] = (report.round, report)
         return self._check_group_hangs()
@@ -461,14 +490,14 @@ class ReplicaJobState(JobState):
 
     def _check_group_hangs(self) -> list[Action]:
         """Ask the stacks of every hung group (one localization at a time)."""
-        now = self._now()
+        now = self.now()
         if self.phase is not Phase.RUNNING or self.group_hangs:
             return []
         hung = [g for g in self.live_groups() if self._group_stalled(g, now)]
         actions: list[Action] = []
         for g in hung:
             idle = min(self.stall_reports[n][1].idle_s for n in self._alive(g))
-            self.group_hangs[g.index] = _Hang(g.round, now + STACKS_TIMEOUT, idle)
+            self.group_hangs[g.index] = Hang(g.round, now + STACKS_TIMEOUT, idle)
             actions.append(
                 Say(
                     f"replica group {g.index}: no rank made progress for {idle:g} s: hang; "
@@ -483,7 +512,7 @@ class ReplicaJobState(JobState):
         hang = self.group_hangs.get(g.index) if g is not None else None
         if g is None or hang is None or report.round != hang.round or g.round != hang.round:
             return []
-        self._add_stacks(hang, node_rank, report)
+        self.add_stacks(hang, node_rank, report)
         replied = all(h.replied >= set(self._alive(self.groups[i])) for i, h in self.group_hangs.items())
         return self._declare_group_hangs() if replied else []
 
@@ -504,18 +533,18 @@ class ReplicaJobState(JobState):
             if i in rooted or (not rooted and whole_job):
                 actions += self._fail_hung_group(g, h)
                 continue
-            self.hang_recheck_at[i] = self._now() + self.stall_timeout
+            self.hang_recheck_at[i] = self.now() + self.stall_timeout
             actions.append(
                 Say(f"replica group {i}: its ranks wait for other groups, none hangs; not restarted")
             )
         return actions
 
-    def _fail_hung_group(self, g: Group, hang: _Hang) -> list[Action]:
+    def _fail_hung_group(self, g: Group, hang: Hang) -> list[Action]:
         """The base class's hang verdict for this group's round, its root cause, then the group restart."""
         first = len(self.failures)
         with self._in_group(g):
             self.hang = hang
-            actions = super()._declare_hang()
+            actions = super().declare_hang()
         self.hang = None
         cause = self.failures[first] if len(self.failures) > first else None
         if cause is not None:
@@ -528,5 +557,5 @@ class ReplicaJobState(JobState):
             ]
         return actions + self._stop_group(g, RestartCause.WORKER_FAILED)
 
-    def _stop_after_hang(self) -> list[Action]:
+    def stop_after_hang(self) -> list[Action]:
         return []  # only the hung group stops (_fail_hung_group)

@@ -939,8 +939,9 @@ class _Builder:
         if self.epochs:
             notes.append(
                 "replica groups: the progress events carry the job's steps, not each group's: a group's "
-                "lane starts stepping at the job's first step and after a restart when it healed "
-                "(replica_group_healed), and ends at the job's last step"
+                "lane starts stepping at its own first step (replica_group_stepping; in older logs the "
+                "job's first step) and after a restart when it healed (replica_group_healed), and ends "
+                "at its failure or the job's last step"
             )
         for r in self.log.of(ev.TIER_PERSIST_MISSED):
             notes.append(

@@ -6,8 +6,8 @@ order; a group without nodes has a ``replica_group_dropped`` instead): that burs
 and every later ``replica_group_restarting`` names the group of the round it opens. A job-wide restart
 (``restarting``) starts a new epoch. Definitions, per group and epoch (they add up to the epoch's time):
 
-- ``startup``: epoch start to the job's first step (per-group step times are not in the events: a
-  group's first step at the start is taken as the job's first ``progress`` step);
+- ``startup``: epoch start to the group's first step (``replica_group_stepping``; in logs from before that
+  event, the job's first ``progress`` step stands for every group's);
 - ``productive``: the group steps, from its first step (after a restart: ``replica_group_healed``)
   to its failure (a worker's ``exit_ts``; a lost node's ``node_lost`` minus the silence it names),
   or to the job's last step;
@@ -246,6 +246,10 @@ def group_lanes(
     failure) on, a lane follows ``job_spans`` (the job's segments after ``job_stop``)."""
     marks = _marks(sl, epoch.all_rounds)
     first_step = marks[0][0] if marks else None
+    # Each group's own first step (replica_group_stepping); logs from before that event: the job's first.
+    own_first = {
+        r["round"]: ts_of(r) for r in sl.of(ev.REPLICA_GROUP_STEPPING) if r.get("round") in epoch.all_rounds
+    }
     healed = sl.of(ev.REPLICA_GROUP_HEALED)
     stops = [r for r in sl.of(ev.REPLICA_GROUP_RESTARTING, ev.REPLICA_GROUP_DROPPED) if ts_of(r) is not None]
     lanes = []
@@ -256,11 +260,16 @@ def group_lanes(
         mine = [] if g in epoch.dropped_at_start else epoch.rounds.get(g, [])
         left_out = g in epoch.dropped_at_start
         for k, (rnd, rd_ts, hosts) in enumerate(mine):
-            nxt = min(mine[k + 1][1] if k + 1 < len(mine) else end, job_stop)
-            stepping: float | None = first_step
-            fail = _failure_of(sl, rnd, hosts, rd_ts, nxt)
+            until_next = mine[k + 1][1] if k + 1 < len(mine) else end
+            nxt = min(until_next, job_stop)
+            stepping: float | None = own_first.get(rnd) if own_first else first_step
+            if stepping is not None and stepping > nxt:
+                stepping = None
+            # A failure before the job's stop may be detected after it (a node lost by silence): look to the
+            # group's next round.
+            fail = _failure_of(sl, rnd, hosts, rd_ts, until_next)
             if k == 0:
-                until = min(first_step if first_step is not None else nxt, nxt, fail[2] if fail else nxt)
+                until = min(stepping if stepping is not None else nxt, nxt, fail[2] if fail else nxt)
                 w.emit("startup", until, "startup")
             else:
                 i = len(lane.incidents) - 1

@@ -265,3 +265,24 @@ def test_a_bad_end_after_a_heal_is_dated_by_its_own_failure() -> None:
     assert inc.redone_work_s == pytest.approx(10.0)  # since the checkpoint at 80
     assert led.productive_s == pytest.approx(60.0)
     assert [x.seconds("productive") for x in led.replica_groups.lanes] == pytest.approx([70.0, 30.0 + 26.0])
+
+
+def test_a_group_that_never_stepped_is_not_counted_productive() -> None:
+    """Group 1's quorum never formed (its lighthouse link cut): group 0 stepped from 20 (its
+    replica_group_stepping), group 1 none before its ranks failed at 80. Its lane has no productive time
+    (the ledger took the job's first step for every group's before that event; the simulated weeks with
+    replica groups caught it)."""
+    led = ledger(
+        [
+            *group_start(),
+            rec(20.0, ev.replica_group_stepping(group=0, round=0, step=1)),
+            kill(80.0, 1, "n3", exit_ts=80.0),
+            *group_restart(81.0, 1, 2, G1, 60),
+            healed(95.0, 1, 70, 10),
+            *end(105.0, 2, 85),
+        ]
+    )
+    g0, g1 = lane(led, 0), lane(led, 1)
+    assert g0.seconds("productive") == pytest.approx(80.0)  # 20 .. 100, the job's last step
+    assert g1.seconds("productive") == pytest.approx(5.0)  # healed at 95 .. 100 only
+    assert g1.seconds("startup") == pytest.approx(70.0)  # 10 .. 80: never stepped in its first round

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic.agent import messages
-from hpcelastic.agent.job_state import Action, Phase, Record, Send
+from hpcelastic.agent.job_state import Action, Phase, Record, Say, Send
 from hpcelastic.agent.replicas import ReplicaJobState, check_groups, plan_groups
 from hpcelastic.agent.workers import worker_env
 from hpcelastic.reasons import Reason
@@ -25,7 +25,9 @@ class Clock:
         return self.t
 
 
-def make(*, groups: int = 2, min_groups: int = 1, max_restarts: int = 2, spares: int = 0) -> ReplicaJobState:
+def make(
+    *, groups: int = 2, min_groups: int = 1, max_restarts: int = 2, spares: int = 0, fence_s: float = 0.0
+) -> ReplicaJobState:
     ports = itertools.count(40000)
     st = ReplicaJobState(
         replica_groups=groups,
@@ -39,6 +41,7 @@ def make(*, groups: int = 2, min_groups: int = 1, max_restarts: int = 2, spares:
         new_port=lambda: next(ports),
         rdzv_timeout=60,
         now=Clock(),
+        fence_s=fence_s,
     )
     return st
 
@@ -64,7 +67,8 @@ def start(st: ReplicaJobState) -> dict[int, messages.Round]:
 
 def test_plan_and_check() -> None:
     assert plan_groups([0, 1, 2, 3], 4, 2) == [[0, 1], [2, 3]]
-    assert plan_groups([0, 1, 3], 4, 2) == [[0, 1], [3]]
+    assert plan_groups([0, 1, 3], 4, 2) == [[0, 1], []]  # a group short of nodes is left out
+    assert plan_groups([0, 1, 4, 5], 4, 2) == [[0, 1], [4, 5]]  # spares fill a job-wide restart
     assert check_groups(3, 2, 1).startswith("3 node(s) do not split into 2 replica groups of equal size")
     assert check_groups(4, 2, 3) == (
         "--min-replica-groups 3 exceeds --replica-groups 2; lower --min-replica-groups to 2 or fewer"
@@ -183,6 +187,60 @@ def test_group_that_lost_a_node_takes_a_spare() -> None:
     assert (again[3].group_rank, again[4].group_rank) == (0, 1)
 
 
+def test_a_group_restart_waits_for_the_fence_after_a_silent_loss() -> None:
+    """A node lost by silence may still run its workers (cut off) until its lease ends: its group restarts on
+    a spare only after the fence, as a job-wide round does (the simulated weeks found group rounds started
+    while the lost node's workers lived on)."""
+    st = make(spares=1, fence_s=3.6)
+    r = start(st)
+    clock = st.now
+    assert isinstance(clock, Clock)
+    out = st.lost(2, "no heartbeat for 4.8 s", silent=True) + st.workers_stopped(3, r[3].round, [])
+    assert not rounds(out) and any(isinstance(a, Say) and "(fence)" in a.text for a in out)
+    clock.t += 3.0
+    assert not rounds(st.tick())
+    clock.t += 0.7
+    again = rounds(st.tick())
+    assert set(again) == {3, 4} and again[4].replica_group == 1
+
+
+def test_a_fenced_job_wide_restart_is_not_due_again() -> None:
+    """Below --min-replica-groups after a silent loss, the job-wide restart waits for the fence and then
+    starts every group; it is then done, so a later job-wide stop counts the budget again instead of
+    restarting at once (the replica path did not clear the base class's ``round_due``)."""
+    st = make(min_groups=2, max_restarts=3, spares=2, fence_s=3.6)
+    r = start(st)
+    clock = st.now
+    assert isinstance(clock, Clock)
+    st.lost(2, "no heartbeat for 4.8 s", silent=True)
+    st.lost(3, "no heartbeat for 4.8 s", silent=True)
+    out = st.workers_stopped(0, r[0].round, []) + st.workers_stopped(1, r[1].round, [])
+    assert named(out, "restarting") and not rounds(out) and st.round_due
+    clock.t += 4.0
+    again = rounds(st.tick())
+    assert set(again) == {0, 1, 4, 5} and not st.round_due and st.phase is Phase.RUNNING
+    st.lost(4, "connection closed")
+    st.lost(5, "connection closed")
+    out = st.workers_stopped(0, again[0].round, []) + st.workers_stopped(1, again[1].round, [])
+    assert named(out, "restarting")[0]["restart_count"] == 2
+
+
+def test_a_spare_taken_from_a_dropped_group_stops_with_the_group_it_joined() -> None:
+    """Group 0 is left out; its node 0 becomes group 1's spare. When group 1 restarts again, node 0's stop is
+    its (the simulated weeks found it ignored: the node was still looked up in the dropped group, and was
+    then declared lost for not stopping)."""
+    st = make(max_restarts=2)
+    r = start(st)
+    st.lost(1, "connection closed")
+    assert named(st.workers_stopped(0, r[0].round, []), "replica_group_dropped")
+    st.lost(3, "connection closed")
+    joined = rounds(st.workers_stopped(2, r[2].round, []))
+    assert set(joined) == {0, 2} and joined[0].replica_group == 1
+    st.worker_failed(2, joined[2].round, [{"rank": 1, "error": "boom", "ts": 1000.0}])
+    out = st.workers_stopped(0, joined[0].round, []) + st.workers_stopped(2, joined[2].round, [])
+    assert set(rounds(out)) == {0, 2}
+
+
 def test_submit_refuses_replica_groups_that_do_not_fit(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
@@ -240,7 +298,7 @@ def test_hang_in_one_group_restarts_only_that_group_with_the_rank_named() -> Non
 def test_no_hang_for_a_group_waiting_for_its_quorum_while_another_restarts() -> None:
     st = make()
     st.stall_timeout = 10.0
-    clock = st._now
+    clock = st.now
     r = start(st)
     st.progress(0, r[0].round, 5, 1000.0, 1)
     st.worker_failed(3, r[3].round, [{"rank": 1, "error": "killed", "ts": 1000.0}])

@@ -138,7 +138,7 @@ def test_a_slow_node_is_a_bad_node_at_the_attempts_end() -> None:
     )
     state.slow_node("b")
     state.slow_node("b")
-    state._finish(Reason.SUCCEEDED)
+    state.finish(Reason.SUCCEEDED)
     assert state.result is not None and state.result.bad_nodes == ("b",)
 
 
