@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
-import shutil
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import machine_line, update_section  # noqa: E402
+from _sim_compare import JOBS, ROOT, first_seeds, old_tree, run_weeks, tree_names, violation_rows  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-JOBS = 2
+MODULE = "hpcelastic.sim.tier"
 SECTION = "sim_tier_weeks"
 DESCRIPTION = " ".join(
     (
@@ -47,64 +41,8 @@ DESCRIPTION = " ".join(
 INVARIANTS = ("restore_holds", "published_whole", "last_copy_kept", "newest_restored")
 
 
-def old_tree(old: str) -> Path:
-    """The older tree (a directory as given, or a worktree of a commit made once), holding this tree's sim."""
-    path = Path(old)
-    if not path.is_dir():
-        path = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcelastic-sim-{old}"
-        if not (path / "hpcelastic").is_dir():
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), old], check=True
-            )
-    shutil.rmtree(path / "hpcelastic" / "sim", ignore_errors=True)
-    shutil.copytree(ROOT / "hpcelastic" / "sim", path / "hpcelastic" / "sim")
-    return path
-
-
-def run_weeks(tree: Path, weeks: int) -> tuple[list[dict[str, Any]], float]:
-    """Every week's JSON line, seeds 0..weeks-1, run with the code in ``tree``; and the seconds."""
-    t0 = time.perf_counter()
-    share = -(-weeks // JOBS)
-
-    def chunk(first: int) -> str:
-        argv = ["--seed", str(first), "--weeks", str(min(share, weeks - first)), "--json"]
-        return subprocess.run(
-            [sys.executable, "-m", "hpcelastic.sim.tier", *argv],
-            cwd=tree,
-            env={**os.environ, "PYTHONPATH": str(tree)},
-            capture_output=True,
-            text=True,
-        ).stdout
-
-    with ThreadPoolExecutor(JOBS) as pool:
-        outs = list(pool.map(chunk, range(0, weeks, share)))
-    rows = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
-    return rows, time.perf_counter() - t0
-
-
-def first_seeds(rows: list[dict[str, Any]], most: int = 6) -> str:
-    """Per violated invariant: the first seeds (``python -m hpcelastic.sim.tier --seed N`` replays one)."""
-    seeds: dict[str, list[int]] = {}
-    for r in rows:
-        for v in r["violations"]:
-            seeds.setdefault(v, []).append(r["seed"])
-    shown = [
-        f"`{v}`: seeds {', '.join(map(str, s[:most]))}{' ...' if len(s) > most else ''}"
-        for v, s in sorted(seeds.items())
-    ]
-    return "; ".join(shown) or "none"
-
-
 def table(by: dict[str, list[dict[str, Any]]]) -> list[str]:
-    names = list(by)
-    out = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    out.append("| weeks | " + " | ".join(str(len(rows)) for rows in by.values()) + " |")
-    broken = {n: sum(1 for r in rows if r["violations"]) for n, rows in by.items()}
-    out.append("| weeks breaking any invariant | " + " | ".join(str(broken[n]) for n in names) + " |")
-    counts = {n: collections.Counter(v for r in rows for v in r["violations"]) for n, rows in by.items()}
-    for inv in INVARIANTS:
-        out.append(f"| weeks breaking `{inv}` | " + " | ".join(str(counts[n][inv]) for n in names) + " |")
+    out = violation_rows(by, INVARIANTS)
     for tier in ("local", "peer", "persisted", "none"):
         cells = [str(sum(r["restores"].get(tier, 0) for r in rows)) for rows in by.values()]
         out.append(f"| node restores from `{tier}` | " + " | ".join(cells) + " |")
@@ -117,18 +55,9 @@ def main() -> int:
     parser.add_argument("--old", default="055b1be", help="the older tree: a directory or a commit")
     args = parser.parse_args()
     old = old_tree(args.old)
-    new_rows, new_s = run_weeks(ROOT, args.weeks)
-    old_rows, old_s = run_weeks(old, args.weeks)
-    head = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    old_commit = subprocess.run(
-        ["git", "-C", str(old), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    status = ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"]
-    dirty = subprocess.run(status, capture_output=True, text=True).stdout.strip()
-    new_name = f"this tree (HEAD {head}{' + working tree' if dirty else ''})"
-    old_name = f"before ({old_commit or args.old})"
+    new_rows, new_s = run_weeks(MODULE, ROOT, args.weeks)
+    old_rows, old_s = run_weeks(MODULE, old, args.weeks)
+    new_name, old_name = tree_names(args.old)
     nodes = collections.Counter(r["nodes"] for r in new_rows)
     md = [
         "## Simulated weeks with the checkpoint tier (bench/sim_tier_weeks.py)",
