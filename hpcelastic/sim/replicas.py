@@ -9,10 +9,10 @@ by the real policy's decision (:mod:`hpcelastic.sim.adapter`). Group-level fault
 per week: a rank fails (a GPU fault leaves its node unhealthy in a third of them), a node dies (its agent and
 workers at once; DOWN in Slurm after SlurmdTimeout, back after a repair), a node's link is cut (its workers
 run on until its agent's lease ends: the fence's case; a cut shorter than the detection bound costs nothing),
-a group's link to torchft's lighthouse is cut (the group's quorum blocks, and fails after torchft's quorum
-timeout when the cut lasts longer), the coordinator's node dies or is cut off. The job steps while any group
-steps; a restarted group steps again once it healed from a live peer. :mod:`hpcelastic.sim.replica_invariants`
-checks the invariants as the week runs.
+a switch cuts several consecutive nodes off at once (a partition), a group's link to torchft's lighthouse is
+cut (the group's quorum blocks, and fails after torchft's quorum timeout when the cut lasts longer), the
+coordinator's node dies or is cut off. The job steps while any group steps; a restarted group steps again once
+it healed from a live peer. :mod:`hpcelastic.sim.replica_invariants` checks the invariants as the week runs.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ KILL_S = 3.0
 #: The coordinator ticks every 0.1 s; the week ticks (and a stepping group reports its step) this often.
 TICK_S = 300.0
 #: The fault kinds and their weights (Llama 3's taxonomy, grouped by how a replica job sees them).
-RANK, NODE, CUT, LIGHTHOUSE, COORDINATOR = "rank", "node", "cut", "lighthouse", "coordinator"
-FAULT_WEIGHTS = {RANK: 55.0, NODE: 12.0, CUT: 15.0, LIGHTHOUSE: 12.0, COORDINATOR: 6.0}
+RANK, NODE, CUT, PARTITION = "rank", "node", "cut", "partition"
+LIGHTHOUSE, COORDINATOR = "lighthouse", "coordinator"
+FAULT_WEIGHTS = {RANK: 52.0, NODE: 12.0, CUT: 12.0, PARTITION: 6.0, LIGHTHOUSE: 12.0, COORDINATOR: 6.0}
 #: The coordinator's methods that deliver an agent's report (its node rank first); the others are its own.
 AGENT_REPORTS = frozenset(
     (
@@ -567,9 +568,23 @@ class ReplicaSim:
                 r = self.group_round[g][0]
                 self.at(self.t + min(d, QUORUM_TIMEOUT_S), self._lighthouse_back_or_fail, g, r)
             return
+        if kind == PARTITION:  # a switch: consecutive nodes cut off from the coordinator's side together
+            if n == 0:
+                return
+            size = self.rng.randint(2, max(2, self.week.per_group + 1))
+            d = self._cut_length()
+            for m in range(n, min(n + size, len(self.hosts))):
+                if self._agent_up(m):
+                    self.evidence.setdefault(self.hosts[m], []).append(kind)
+                    self._node_gone(m, False, d)
+            return
         self.evidence.setdefault(host, []).append(kind)
         dies = kind == NODE or (kind == COORDINATOR and self.rng.random() < 0.5)
-        self._node_gone(n, dies)
+        self._node_gone(n, dies, 0.0 if dies else self._cut_length())
+
+    def _cut_length(self) -> float:
+        """How long a cut lasts: a third shorter than the detection bound (a flap), else 10 s to 15 min."""
+        return self.rng.uniform(0.5, 4.0) if self.rng.random() < 0.3 else self.rng.uniform(10, 900)
 
     def _lighthouse_back_or_fail(self, g: int, r: int) -> None:
         cur = self.group_round.get(g)
@@ -580,17 +595,13 @@ class ReplicaSim:
         elif g not in self.faulted and all(self._alive(n, r) for n in cur[1]):
             self._group_on(g)
 
-    def _node_gone(self, n: int, dies: bool) -> None:
-        """Node ``n`` dies, or its link is cut: the others lose it after the detection bound; a cut node's
-        agent ends its lease by then and kills its workers. A cut shorter than the bound costs nothing."""
+    def _node_gone(self, n: int, dies: bool, d: float) -> None:
+        """Node ``n`` dies, or its link is cut for ``d`` seconds: the others lose it after the detection
+        bound; a cut node's agent ends its lease by then and kills its workers. A cut shorter than the bound
+        costs nothing."""
         host = self.hosts[n]
         w = self.workers.get(n)
         current = w is not None and self.group_round.get(w.group, (-1,))[0] == w.round
-        d = (
-            0.0
-            if dies
-            else (self.rng.uniform(0.5, 4.0) if self.rng.random() < 0.3 else self.rng.uniform(10, 900))
-        )
         # The lighthouse runs on the coordinator's node: a cut there blocks every group's quorum.
         hit = sorted(self.group_round) if n == 0 else [w.group] if w is not None and current else []
         if not dies and d <= DETECTION_S:
