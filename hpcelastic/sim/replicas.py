@@ -349,28 +349,33 @@ class ReplicaSim:
             self.at(st.fence_until + 1e-6, self.call, "tick")
 
     def _apply(self, actions: list[Any]) -> None:
+        """Deliver the decision's messages in order (an agent acts on its messages as they come: a round, then
+        a stop of that round); a round's messages start it together."""
+        sends = self.log.apply(actions, self.t)
         rounds: dict[int, list[tuple[int, messages.Round]]] = {}
-        for send in self.log.apply(actions, self.t):
+        for send in sends:
+            if isinstance(send.message, messages.Round):
+                rounds.setdefault(send.message.round, []).append((send.node_rank, send.message))
+        restarted = {a.event.fields.get("round") for a in actions if _is(a, "replica_group_restarting")}
+        started: set[int] = set()
+        for send in sends:
             msg = send.message
-            if isinstance(msg, messages.Round):
-                rounds.setdefault(msg.round, []).append((send.node_rank, msg))
+            if isinstance(msg, messages.Round) and msg.round not in started:
+                started.add(msg.round)
+                epoch = (
+                    msg.round not in restarted
+                )  # every group starts: an attempt's start, a job-wide restart
+                if epoch and not any(r not in restarted for r in started - {msg.round}):
+                    self.epochs += 1
+                    self.check.epoch_started(self)
+                init = self.week.startup_s if epoch and self.epochs == 1 else self.week.restart_s
+                self._start_group_round(msg.round, rounds[msg.round], init)
             elif isinstance(msg, messages.Stop):
                 self._stop_node(send.node_rank, msg.round)
             elif isinstance(msg, messages.Preempt):
                 self._preempted_node(send.node_rank, msg.round)
             elif isinstance(msg, messages.StopAt):
                 self.at(self.t + self.rng.uniform(0.5, 5.0), self._stop_node, send.node_rank, msg.round, True)
-        if not rounds:
-            return
-        restarts = {a.event.fields.get("group") for a in actions if _is(a, "replica_group_restarting")}
-        epoch = not restarts  # the first rounds of an attempt, or a job-wide restart: every group starts
-        if epoch:
-            self.epochs += 1
-            self.check.epoch_started(self)
-        for r, sends in sorted(rounds.items()):
-            self._start_group_round(
-                r, sends, self.week.startup_s if self.epochs == 1 else self.week.restart_s
-            )
 
     def _agents_up(self) -> None:
         for n, host in enumerate(self.hosts):
