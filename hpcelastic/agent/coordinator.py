@@ -586,13 +586,7 @@ class Coordinator:
             if now - conn.last_recv <= self._hb_timeout:
                 break
             stream_silent.append(conn)
-        self.state.silent_now(
-            [
-                c.node_rank
-                for c in stream_silent
-                if c.node_rank is not None and c.alive and c.alive.suspected(now)
-            ]
-        )
+        lost: list[tuple[_Conn, str]] = []
         for conn in stream_silent:
             if conn.alive is None or not conn.alive.suspected(now):
                 continue
@@ -602,15 +596,20 @@ class Coordinator:
                 continue
             if conn.alive.stream_broken(now):
                 why = f"no frame for {now - conn.last_recv:.1f} s, only probe answers (connection broken)"
-                self._drop(conn, why, silent=True)
+                lost.append((conn, why))
             elif conn.alive.lost(now):
                 why = (
                     f"no heartbeat for {now - conn.last_recv:.1f} s and no answer to probes in the last "
                     f"{self._probe_timeout:g} s (node hung or unreachable)"
                 )
-                self._drop(conn, why, silent=True)
+                lost.append((conn, why))
             elif conn.alive.probe_due(now):
                 self._probe(conn)
+        # The whole pass's losses count together, even if a decision comes in the middle of reporting them.
+        self.state.silent_now([c.node_rank for c, _ in lost if c.node_rank is not None])
+        for conn, why in lost:
+            self._drop(conn, why, silent=True)
+        self.state.silent_now(())
 
     def _probe(self, conn: _Conn) -> None:
         if conn.probe_addr is None:

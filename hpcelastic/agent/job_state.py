@@ -213,7 +213,7 @@ class JobState:
         self.vanished: list[tuple[str, float, int]] = []
         #: Hosts whose agents went silent (their connection never closed): maybe only a cut link.
         self.silent_hosts: set[str] = set()
-        #: Joined agents the coordinator hears nothing from right now, not lost yet (:meth:`silent_now`).
+        #: Agents the liveness pass is reporting lost, not all reported yet (:meth:`silent_now`).
         self.overdue: frozenset[int] = frozenset()
         #: The previous round's root-cause signature, if it failed before any progress (a start-up failure).
         self.startup_failure: str | None = None
@@ -793,10 +793,10 @@ class JobState:
         return out
 
     def silent_now(self, nodes: Collection[int]) -> None:
-        """The server's liveness pass found these agents silent (overdue, not lost yet): losses it is about to
-        report count with the burst now, so a decision made in the middle of the pass sees the burst whole
-        (the simulated weeks found an attempt ended, and its first lost nodes blamed, before the rest of a
-        cut-off coordinator's burst was counted)."""
+        """The agents the server's liveness pass is about to report lost (empty once it has): they count with
+        the burst already, so a decision made in the middle of the pass sees the burst whole (the simulated
+        weeks found an attempt ended, and its first lost nodes blamed, before the rest of a cut-off
+        coordinator's burst was counted)."""
         self.overdue = frozenset(nodes)
 
     def _burst(self, t: float) -> tuple[int, int]:

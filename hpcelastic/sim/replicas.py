@@ -666,6 +666,8 @@ class ReplicaSim:
             silent_now(others)
         for m in range(1, len(self.hosts)):  # the coordinator's own link: it hears nobody
             self.call("lost", m, reason, silent=True)
+        if silent_now is not None:
+            silent_now(())
 
     # ---- stop signals ---------------------------------------------------------------------------
     def _signal(self, reason: Reason, kill: float, requeued: bool) -> None:
