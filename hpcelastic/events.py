@@ -267,10 +267,11 @@ def replica_group_restarting(
     )
 
 
-def replica_group_stepping(*, group: int, round: int, step: int) -> Event:
-    """A replica group's first step after every group started together (an attempt's start, or a job-wide
-    restart): the ledger counts the group productive from here, not from the job's first step."""
-    return _event(REPLICA_GROUP_STEPPING, group=group, round=round, step=step)
+def replica_group_stepping(*, group: int, round: int, step: int, step_ts: float) -> Event:
+    """A replica group's first step (taken at ``step_ts``, the reporting node's clock, as ``progress``'s)
+    after every group started together (an attempt's start, or a job-wide restart): the ledger counts the
+    group productive from there, not from the job's first step."""
+    return _event(REPLICA_GROUP_STEPPING, group=group, round=round, step=step, step_ts=step_ts)
 
 
 def replica_group_healed(

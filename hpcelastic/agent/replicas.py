@@ -401,7 +401,8 @@ class ReplicaJobState(JobState):
         if g.healing is not None:
             actions += self._healed(g, step, ts)
         elif g.last_step is None:  # its first step since every group started together
-            actions.append(Record(events.replica_group_stepping(group=g.index, round=g.round, step=step)))
+            stepping = events.replica_group_stepping(group=g.index, round=g.round, step=step, step_ts=ts)
+            actions.append(Record(stepping))
         g.last_step = step if g.last_step is None else max(g.last_step, step)
         # The job's progress events follow the highest step of any group.
         return actions + super().progress(node_rank, self.round, step, ts, ranks)

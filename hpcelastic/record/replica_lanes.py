@@ -248,7 +248,9 @@ def group_lanes(
     first_step = marks[0][0] if marks else None
     # Each group's own first step (replica_group_stepping); logs from before that event: the job's first.
     own_first = {
-        r["round"]: ts_of(r) for r in sl.of(ev.REPLICA_GROUP_STEPPING) if r.get("round") in epoch.all_rounds
+        r["round"]: ts_of(r, "step_ts")
+        for r in sl.of(ev.REPLICA_GROUP_STEPPING)
+        if r.get("round") in epoch.all_rounds
     }
     healed = sl.of(ev.REPLICA_GROUP_HEALED)
     stops = [r for r in sl.of(ev.REPLICA_GROUP_RESTARTING, ev.REPLICA_GROUP_DROPPED) if ts_of(r) is not None]

@@ -275,7 +275,7 @@ def test_a_group_that_never_stepped_is_not_counted_productive() -> None:
     led = ledger(
         [
             *group_start(),
-            rec(20.0, ev.replica_group_stepping(group=0, round=0, step=1)),
+            rec(20.0, ev.replica_group_stepping(group=0, round=0, step=1, step_ts=20.0)),
             kill(80.0, 1, "n3", exit_ts=80.0),
             *group_restart(81.0, 1, 2, G1, 60),
             healed(95.0, 1, 70, 10),
