@@ -5,6 +5,7 @@ trees' names and the invariant table's common rows.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -12,7 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,3 +94,50 @@ def violation_rows(by: dict[str, list[dict[str, Any]]], invariants: Sequence[str
     for inv in invariants:
         out.append(f"| weeks breaking `{inv}` | " + " | ".join(str(counts[n][inv]) for n in names) + " |")
     return out
+
+
+def compare(
+    *,
+    module: str,
+    section: str,
+    title: str,
+    description: str,
+    default_old: str,
+    count: str,
+    table: Callable[[dict[str, list[dict[str, Any]]]], list[str]],
+) -> int:
+    """Run ``module``'s weeks with this tree and the older one (``--weeks``, ``--old``), write the table
+    (``table``), run times and violating seeds as ``section`` of bench/RESULTS.md; ``count``: the per-week
+    field whose values the head line counts."""
+    from _results import machine_line, update_section
+
+    parser = argparse.ArgumentParser(description=title)
+    parser.add_argument("--weeks", type=int, default=10_000)
+    parser.add_argument("--old", default=default_old, help="the older tree: a directory or a commit")
+    args = parser.parse_args()
+    old = old_tree(args.old)
+    new_rows, new_s = run_weeks(module, ROOT, args.weeks)
+    old_rows, old_s = run_weeks(module, old, args.weeks)
+    new_name, old_name = tree_names(args.old)
+    counted = collections.Counter(r[count] for r in new_rows)
+    md = [
+        f"## {title}",
+        "",
+        machine_line(),
+        "",
+        f"{args.weeks} simulated weeks (seeds 0-{args.weeks - 1}; {count}: "
+        + ", ".join(f"{n} x{c}" for n, c in sorted(counted.items()))
+        + f") of {module.replace('.', '/')}.py: "
+        + description,
+        "",
+        *table({new_name: new_rows, old_name: old_rows}),
+        "",
+        f"Run time: this tree {new_s:.0f} s, before {old_s:.0f} s ({JOBS} processes each).",
+        "",
+        f"Violations, {old_name}: {first_seeds(old_rows)}.",
+        "",
+        f"Violations, {new_name}: {first_seeds(new_rows)}.",
+    ]
+    update_section(section, "\n".join(md))
+    print("\n".join(md))
+    return 0

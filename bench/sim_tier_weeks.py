@@ -11,16 +11,13 @@ either version's TierBook and LocalTier). Writes the ``sim_tier_weeks`` section 
 
 from __future__ import annotations
 
-import argparse
-import collections
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import machine_line, update_section  # noqa: E402
-from _sim_compare import JOBS, ROOT, first_seeds, old_tree, run_weeks, tree_names, violation_rows  # noqa: E402
+from _sim_compare import compare, violation_rows  # noqa: E402
 
 MODULE = "hpcelastic.sim.tier"
 SECTION = "sim_tier_weeks"
@@ -50,36 +47,15 @@ def table(by: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weeks", type=int, default=10_000)
-    parser.add_argument("--old", default="055b1be", help="the older tree: a directory or a commit")
-    args = parser.parse_args()
-    old = old_tree(args.old)
-    new_rows, new_s = run_weeks(MODULE, ROOT, args.weeks)
-    old_rows, old_s = run_weeks(MODULE, old, args.weeks)
-    new_name, old_name = tree_names(args.old)
-    nodes = collections.Counter(r["nodes"] for r in new_rows)
-    md = [
-        "## Simulated weeks with the checkpoint tier (bench/sim_tier_weeks.py)",
-        "",
-        machine_line(),
-        "",
-        f"{args.weeks} simulated weeks (seeds 0-{args.weeks - 1}; nodes: "
-        + ", ".join(f"{n} x{c}" for n, c in sorted(nodes.items()))
-        + ") of hpcelastic/sim/tier.py: "
-        + DESCRIPTION,
-        "",
-        *table({new_name: new_rows, old_name: old_rows}),
-        "",
-        f"Run time: this tree {new_s:.0f} s, before {old_s:.0f} s ({JOBS} processes each).",
-        "",
-        f"Violations, {old_name}: {first_seeds(old_rows)}.",
-        "",
-        f"Violations, {new_name}: {first_seeds(new_rows)}.",
-    ]
-    update_section(SECTION, "\n".join(md))
-    print("\n".join(md))
-    return 0
+    return compare(
+        module=MODULE,
+        section=SECTION,
+        title="Simulated weeks with the checkpoint tier (bench/sim_tier_weeks.py)",
+        description=DESCRIPTION,
+        default_old="055b1be",
+        count="nodes",
+        table=table,
+    )
 
 
 if __name__ == "__main__":
