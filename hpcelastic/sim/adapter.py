@@ -230,6 +230,31 @@ class EndFacts:
     needed: int = 0
 
 
+def coordinator_end(
+    result: messages.Finish,
+    stop: tuple[Reason, float, bool] | None,
+    attempt: int,
+    ts: float,
+    progressed: bool,
+    evidence: dict[str, Any],
+) -> EndFacts:
+    """The facts of an attempt the coordinator finished: Slurm's stop (its reason, kill time and whether it
+    requeued), if one came, has the last word on anything but success."""
+    reason, requeued = result.reason, False
+    if stop is not None and result.reason is not Reason.SUCCEEDED:
+        reason, _, requeued = stop
+    return EndFacts(
+        attempt,
+        reason,
+        "1000",
+        ts,
+        bad_nodes=tuple(result.bad_nodes),
+        progressed=progressed,
+        slurm_requeued=requeued,
+        **evidence,
+    )
+
+
 def _attempt_end(facts: EndFacts, signature: str | None) -> policy.AttemptEnd:
     kwargs: dict[str, Any] = {
         "attempt": facts.attempt,

@@ -731,22 +731,11 @@ class Sim:
             self._decide(EndFacts(self.attempt, Reason.COORDINATOR_LOST, "1000", self.t, **self._evidence()))
 
     def _coordinator_decides(self, result: messages.Finish) -> None:
-        reason, requeued = result.reason, False
-        if (
-            self.stop is not None and result.reason is not Reason.SUCCEEDED
-        ):  # Slurm's record has the last word
-            reason, _, requeued = self.stop
-        facts = EndFacts(
-            self.attempt,
-            reason,
-            "1000",
-            self.t,
-            bad_nodes=tuple(result.bad_nodes),
-            progressed=self.decider_saw_step,
-            slurm_requeued=requeued,
-            **self._evidence(),
+        self._end(
+            adapter.coordinator_end(
+                result, self.stop, self.attempt, self.t, self.decider_saw_step, self._evidence()
+            )
         )
-        self._end(facts)
         self._finalize()
 
     def _evidence(self) -> dict[str, Any]:

@@ -289,7 +289,7 @@ class ReplicaSim:
         self.attempt_ckpt_before, self.attempt_ckpt, self.attempt_stepped = self.ckpt_step, None, False
         self.job_step = float(self.ckpt_step)
         self.t = t0
-        self.log.attempt_started(t0, self.attempt, "2000", self.attempt, hosts)
+        self.log.attempt_started(t0, self.attempt, "1000", self.attempt, hosts)
         self.st = self._job_state(hosts)
         self.epochs = 0
         self.at(t0 + 5.0, self._agents_up)
@@ -650,7 +650,7 @@ class ReplicaSim:
             facts = EndFacts(
                 self.attempt,
                 Reason.NODE_UNHEALTHY,
-                "2000",
+                "1000",
                 self.t,
                 bad_nodes=(self.hosts[0],),
                 progressed=self.attempt_stepped,
@@ -695,25 +695,16 @@ class ReplicaSim:
             return
         reason, _, requeued = self.stop
         self._end_attempt(
-            EndFacts(self.attempt, reason, "2000", self.t, slurm_requeued=requeued, **self._evidence())
+            EndFacts(self.attempt, reason, "1000", self.t, slurm_requeued=requeued, **self._evidence())
         )
 
     # ---- the end of an attempt ------------------------------------------------------------------
     def _coordinator_decides(self, result: messages.Finish) -> None:
-        reason, requeued = result.reason, False
-        if self.stop is not None and result.reason is not Reason.SUCCEEDED:
-            reason, _, requeued = self.stop
-        facts = EndFacts(
-            self.attempt,
-            reason,
-            "2000",
-            self.t,
-            bad_nodes=tuple(result.bad_nodes),
-            progressed=self.attempt_stepped,
-            slurm_requeued=requeued,
-            **self._evidence(),
+        self._end_attempt(
+            adapter.coordinator_end(
+                result, self.stop, self.attempt, self.t, self.attempt_stepped, self._evidence()
+            )
         )
-        self._end_attempt(facts)
 
     def _evidence(self) -> dict[str, Any]:
         ckpt = self.attempt_ckpt
