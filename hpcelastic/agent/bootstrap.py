@@ -84,6 +84,8 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
         heartbeat_interval=timing.heartbeat_interval,
         heartbeat_timeout=timing.heartbeat_timeout,
         probe_timeout=timing.probe_timeout,
+        beat_interval=timing.beat_interval,
+        beat_timeout=timing.beat_timeout,
     )
     stack.callback(client.close)
     hello = messages.Hello(
@@ -342,6 +344,8 @@ def host_coordinator(
         probe_timeout=timing.probe_timeout,
         tier=tier_book(spec, rdzv.run_dir, attempt),
         slow=slow_watch(spec, ctx),
+        peer_watch=timing.peer_watch,
+        beat_timeout=timing.beat_timeout,
     )
     coordinator.start()
     stack.callback(coordinator.stop, drain_timeout=RESTART_KILL_GRACE + 2.0)

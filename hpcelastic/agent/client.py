@@ -6,7 +6,9 @@ coordinator echoes each heartbeat it received, and when none was echoed for ``he
 agent probes the coordinator over UDP (``liveness.py``); with no answer either for ``probe_timeout``
 more it reports the coordinator lost (the agent then stops its workers: the fence). A probe thread
 answers the coordinator's probes. All keep running while the agent's main thread is busy stopping
-workers.
+workers. When the coordinator assigns a peer watch (``peerwatch.py``: large jobs) the heartbeat thread also
+beats to this agent's watcher and reports its own watchee when it falls silent, the probe thread echoes the
+watchee's beats, and the agent's workers run only while a second, fast lease holds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hpcelastic.agent import liveness, messages, protocol
+from hpcelastic.agent.peerwatch import WatchedPeer
 
 RETRY_DELAY = 0.1
 CHALLENGE_TIMEOUT = 5.0
@@ -60,6 +63,8 @@ class CoordinatorClient:
         heartbeat_interval: float = liveness.HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
         probe_timeout: float = liveness.PROBE_TIMEOUT,
+        beat_interval: float = liveness.HEARTBEAT_INTERVAL,
+        beat_timeout: float = liveness.HEARTBEAT_TIMEOUT,
     ) -> None:
         self.host, self.port = host, port
         self._secret = secret
@@ -88,6 +93,17 @@ class CoordinatorClient:
         self._probes_lock = threading.Lock()
         self._node_rank = -1
         self._peer_key = liveness.peer_key(secret)
+        #: The peer watch (``peerwatch.py``), once the coordinator assigns one: beats every ``beat_interval``
+        #: to the watcher; the watchee is reported after ``beat_timeout`` without a beat. ``fast_lease``: the
+        #: second lease, renewed by the watcher's echoes as well; it never ends once armed.
+        self._beat_interval = beat_interval
+        self._beat_timeout = beat_timeout
+        self.fast_lease: liveness.Liveness | None = None
+        self._watched: WatchedPeer | None = None
+        self._watcher_addr: tuple[str, int] | None = None
+        self._watch_lock = threading.Lock()
+        #: Peer-watch reports not yet sent (the heartbeat thread never waits on the connection).
+        self._reports: list[messages.Message] = []
 
     def connect(self, hello: messages.Hello, timeout: float) -> messages.Welcome:
         """Connect (retrying until ``timeout``) and authenticate; returns the welcome message.
@@ -130,6 +146,7 @@ class CoordinatorClient:
         """
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            liveness.keep_stream_moving(sock)
             sock.settimeout(max(0.1, min(CHALLENGE_TIMEOUT, deadline - time.monotonic())))
             try:
                 challenge = protocol.recv_payload(sock)
@@ -228,7 +245,11 @@ class CoordinatorClient:
                     if isinstance(msg, messages.Heartbeat):
                         if msg.echo is not None:
                             self.lease.stream_heard(msg.echo)
+                            if self.fast_lease is not None:
+                                self.fast_lease.heard(msg.echo)
                             self.rtt_s = time.monotonic() - msg.echo
+                    elif isinstance(msg, messages.Watch):
+                        self._on_watch(msg)
                     elif msg is not None:
                         self._on_message(msg)
         except (OSError, ConnectionError):
@@ -238,38 +259,107 @@ class CoordinatorClient:
         except messages.InvalidMessage as e:
             self._lost(f"bad message from the coordinator: {e}")
 
+    def _on_watch(self, msg: messages.Watch) -> None:
+        """A peer-watch assignment (again: watch afresh). The fast lease starts here, before the
+        acknowledgment the coordinator waits for is sent, and never ends once armed."""
+        now = time.monotonic()
+        with self._watch_lock:
+            if msg.watchee:
+                rank, host, port = msg.watchee
+                old = self._watched
+                counter = old.last_counter if old is not None and old.rank == rank else 0
+                self._watched = WatchedPeer(rank, (host, port), now, counter)
+            else:
+                self._watched = None
+            self._watcher_addr = (msg.watcher[1], msg.watcher[2]) if msg.watcher else None
+            if msg.watcher and self.fast_lease is None:
+                self.fast_lease = liveness.Liveness.starting(now, self._beat_timeout, self._probe_timeout)
+        self.send(
+            messages.Watching(
+                msg.epoch, msg.watchee[0] if msg.watchee else -1, msg.watcher[0] if msg.watcher else -1
+            )
+        )
+
+    def _lease_lost(self, now: float) -> str | None:
+        """Why this agent's lease ended (None: it holds): the direct one, or the peer watch's fast one."""
+        if self.lease.lost(now):
+            if self.lease.stream_broken(now):
+                quiet = now - self.lease.last_stream
+                return f"no echo from the coordinator for {quiet:.1f} s, only probe answers: broken"
+            silent = self.lease.silent_for(now)
+            return (
+                f"the coordinator has not confirmed hearing this agent for {silent:.1f} s "
+                "(no heartbeat echoed, no probe answered)"
+            )
+        fast = self.fast_lease
+        if fast is not None and fast.silent_for(now) > fast.timeout + fast.probe_timeout:
+            return (
+                f"neither this agent's watcher nor the coordinator confirmed hearing it for "
+                f"{fast.silent_for(now):.1f} s (no beat echoed, no probe answered)"
+            )
+        return None
+
+    def _watch_duties(self, now: float) -> None:
+        """Beat to the watcher; report the watchee silent, or heard again; send what is pending."""
+        with self._watch_lock:
+            watched, watcher = self._watched, self._watcher_addr
+            if watched is not None:
+                silence = watched.report_due(now, self._beat_timeout)
+                if silence is not None:
+                    self._reports.append(messages.PeerSilent(watched.rank, round(silence, 3)))
+                if watched.heard_again():
+                    self._reports.append(messages.PeerHeard(watched.rank))
+        if watcher is not None:
+            beat = liveness.Probe(liveness.FROM_AGENT, liveness.BEAT, self._node_rank, int(now * 1e6))
+            with contextlib.suppress(OSError):
+                self._probe_sock.sendto(liveness.encode(beat, self._peer_key), watcher)
+        while self._reports and self.send(self._reports[0], wait=False):
+            self._reports.pop(0)
+
     def _heartbeat(self) -> None:
-        next_beat = time.monotonic()
+        next_beat = next_peer_beat = time.monotonic()
         while not self._closed.is_set():
             now = time.monotonic()
-            if self.lease.lost(now):
-                if self.lease.stream_broken(now):
-                    quiet = now - self.lease.last_stream
-                    self._lost(f"no echo from the coordinator for {quiet:.1f} s, only probe answers: broken")
-                else:
-                    silent = self.lease.silent_for(now)
-                    self._lost(
-                        f"the coordinator has not confirmed hearing this agent for {silent:.1f} s "
-                        "(no heartbeat echoed, no probe answered)"
-                    )
+            why = self._lease_lost(now)
+            if why is not None:
+                self._lost(why)
                 return
-            if self.lease.probe_due(now):
+            fast = self.fast_lease
+            direct_due = self.lease.probe_due(now)
+            if (fast is not None and fast.probe_due(now)) or direct_due:
                 self._send_probe(now)
             if now >= next_beat:
                 next_beat = now + self._hb_interval
                 self.send(messages.Heartbeat(sent=now), wait=False)
-            self._closed.wait(min(liveness.PROBE_INTERVAL, max(0.0, next_beat - time.monotonic())))
+            if now >= next_peer_beat:
+                next_peer_beat = now + self._beat_interval
+                self._watch_duties(now)
+            wake = min(next_beat, next_peer_beat) - time.monotonic()
+            self._closed.wait(min(liveness.PROBE_INTERVAL, max(0.0, wake)))
 
-    def _answer_ping(self, data: bytes, addr: tuple[str, int]) -> None:
-        """Another agent of the job asks whether it can reach this node: answer (nothing else is answered)."""
+    def _from_peer(self, data: bytes, addr: tuple[str, int]) -> None:
+        """Another agent of the job: a ping (can it reach this node: answer), its watchee's beat (echo it
+        while watching it), or this agent's watcher's echo (renews the fast lease)."""
         try:
-            ping = liveness.decode(data, self._peer_key)
+            probe = liveness.decode(data, self._peer_key)
         except protocol.ProtocolError:
             return  # not ours: nothing unauthenticated counts
-        if ping.kind == liveness.PING:
-            pong = dataclasses.replace(ping, kind=liveness.PONG)
+        reply = None
+        if probe.kind == liveness.PING:
+            reply = dataclasses.replace(probe, kind=liveness.PONG)
+        elif probe.kind == liveness.BEAT:
+            with self._watch_lock:
+                watched = self._watched
+                fresh = watched is not None and watched.rank == probe.node_rank
+                if fresh and watched.beat(probe.counter, time.monotonic()):  # type: ignore[union-attr]
+                    reply = dataclasses.replace(probe, kind=liveness.ECHO)
+        elif probe.kind == liveness.ECHO and probe.node_rank == self._node_rank:
+            fast, sent = self.fast_lease, probe.counter / 1e6
+            if fast is not None and sent <= time.monotonic():
+                fast.heard(sent)
+        if reply is not None and not self._closed.is_set():
             with contextlib.suppress(OSError):
-                self._probe_sock.sendto(liveness.encode(pong, self._peer_key), addr)
+                self._probe_sock.sendto(liveness.encode(reply, self._peer_key), addr)
 
     def unreachable(self, peers: Sequence[tuple[int, str, int]]) -> tuple[int, ...]:
         """Of ``peers`` (node rank, address, probe port), those that answered none of
@@ -331,7 +421,7 @@ class CoordinatorClient:
             try:
                 probe = liveness.decode(data, self._probe_key)
             except protocol.ProtocolError:
-                self._answer_ping(data, addr)
+                self._from_peer(data, addr)
                 continue
             if probe.sender != liveness.FROM_COORDINATOR or probe.node_rank != self._node_rank:
                 continue
@@ -340,6 +430,8 @@ class CoordinatorClient:
                 sent = self._probe_answered(probe.counter, member)
                 if sent is not None and member:
                     self.lease.heard(sent)
+                    if self.fast_lease is not None:
+                        self.fast_lease.heard(sent)
             elif probe.counter > self._probe_seen:
                 self._probe_seen = probe.counter
                 answer = dataclasses.replace(probe, sender=liveness.FROM_AGENT, kind=liveness.ANSWER)

@@ -27,8 +27,10 @@ declares it lost: :func:`fence_delay` later its workers are gone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -47,6 +49,15 @@ PROBE_INTERVAL = 0.1
 MAX_STREAM_SILENCE = 30.0
 #: Added to a fence for the agent's reaction and the kill taking effect.
 FENCE_MARGIN = 0.5
+#: The control connection's retransmission timeout never backs off past this (``TCP_RTO_MAX_MS``, Linux 6.15;
+#: 120 s by default): at 20 % loss on both links a segment is lost with its retransmissions 5-7 times in a row
+#: often enough that the doubling timeout stalled healthy streams past ``MAX_STREAM_SILENCE`` 8 times an hour
+#: (bench/network_detection.py); capped, a stall that long needs about 30 losses in a row.
+STREAM_RTO_MAX_MS = 1000
+#: ``linux/tcp.h``; Python has no names for them. ``TCP_THIN_LINEAR_TIMEOUTS`` (2.6.34): the first six
+#: retransmissions of a thin stream keep the base timeout, where older kernels lack the cap.
+_TCP_RTO_MAX_MS = 44
+_TCP_THIN_LINEAR_TIMEOUTS = 16
 
 MAGIC = b"HPCP"
 FROM_COORDINATOR, FROM_AGENT = b"S", b"C"
@@ -55,6 +66,9 @@ QUERY, ANSWER = b"Q", b"A"
 PING, PONG = b"P", b"R"
 #: How long, and how often, an agent pings its peers when asked (``reachable``).
 PING_WINDOW = 1.0
+#: Agent to agent, keyed by :func:`peer_key`: the peer watch's beat and its watcher's echo (``peerwatch.py``);
+#: the counter is the beat's send time on the watchee's clock, in microseconds.
+BEAT, ECHO = b"B", b"E"
 PING_TRIES = 5
 #: ``flags`` bit of a coordinator's answer: the agent is still a member of the job.
 MEMBER = 1
@@ -105,7 +119,7 @@ def decode(data: bytes, key: bytes) -> Probe:
     if not hmac.compare_digest(mac, hmac.new(key, head, hashlib.sha256).digest()):
         raise AuthError("probe failed authentication")
     _magic, sender, kind, node_rank, counter, flags = _HEAD.unpack(head)
-    if sender not in (FROM_COORDINATOR, FROM_AGENT) or kind not in (QUERY, ANSWER, PING, PONG):
+    if sender not in (FROM_COORDINATOR, FROM_AGENT) or kind not in (QUERY, ANSWER, PING, PONG, BEAT, ECHO):
         raise ProtocolError("unknown probe kind")
     return Probe(sender, kind, node_rank, counter, flags)
 
@@ -160,6 +174,15 @@ class Liveness:
             return False
         self.next_probe = now + PROBE_INTERVAL
         return True
+
+
+def keep_stream_moving(sock: socket.socket) -> None:
+    """Tune a control connection so that loss stalls it for about a second at most, not for minutes:
+    retransmissions at least every :data:`STREAM_RTO_MAX_MS`, linear timeouts where the kernel has no cap."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_THIN_LINEAR_TIMEOUTS, 1)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, STREAM_RTO_MAX_MS)
 
 
 def detection_bound(timeout: float, probe_timeout: float) -> float:

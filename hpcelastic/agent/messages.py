@@ -376,6 +376,46 @@ class SpeedCheck(Message):
         return cls(float(d["speed"]))
 
 
+@dataclass(frozen=True)
+class Watching(Message):
+    """The agent took its peer-watch assignment ``epoch`` (``peerwatch.py``): it watches ``watchee`` and
+    stopped echoing anyone else's beats; with a ``watcher`` its fast lease runs (-1: none)."""
+
+    TAG = "watching"
+    epoch: int
+    watchee: int = -1
+    watcher: int = -1
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Watching:
+        return cls(int(d["epoch"]), int(d.get("watchee", -1)), int(d.get("watcher", -1)))
+
+
+@dataclass(frozen=True)
+class PeerSilent(Message):
+    """The agent heard no beat from its watchee ``node_rank`` for ``silent_s`` seconds."""
+
+    TAG = "peer_silent"
+    node_rank: int
+    silent_s: float
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> PeerSilent:
+        return cls(_node_rank(d.get("node_rank")), float(d["silent_s"]))
+
+
+@dataclass(frozen=True)
+class PeerHeard(Message):
+    """The agent hears its watchee ``node_rank`` again after reporting it silent."""
+
+    TAG = "peer_heard"
+    node_rank: int
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> PeerHeard:
+        return cls(_node_rank(d.get("node_rank")))
+
+
 # ---- the local checkpoint tier (hpcelastic/tier/): agent -> coordinator ---------------------------
 @dataclass(frozen=True)
 class TierHave(Message):
@@ -600,6 +640,27 @@ class Finish(Message):
         )
 
 
+def _peer_addr(value: Any) -> tuple[int, str, int] | tuple[()]:
+    if not value:
+        return ()
+    return (_node_rank(value[0]), str(value[1]), int(value[2]))
+
+
+@dataclass(frozen=True)
+class Watch(Message):
+    """The agent's peer-watch assignment ``epoch`` (``peerwatch.py``): the peer it watches and the peer that
+    watches it, each ``(node rank, address, probe port)`` or empty. Sent again unchanged: watch afresh."""
+
+    TAG = "watch"
+    epoch: int
+    watchee: tuple[int, str, int] | tuple[()] = ()
+    watcher: tuple[int, str, int] | tuple[()] = ()
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Watch:
+        return cls(int(d["epoch"]), _peer_addr(d.get("watchee")), _peer_addr(d.get("watcher")))
+
+
 # ---- the local checkpoint tier: coordinator -> agent ----------------------------------------------
 Peer = tuple[int, str, int]
 
@@ -763,6 +824,9 @@ FROM_AGENT = _table(
     TierFlush,
     SlowSample,
     SpeedCheck,
+    Watching,
+    PeerSilent,
+    PeerHeard,
 )
 #: What an agent accepts from its coordinator once joined.
 FROM_COORDINATOR = _table(
@@ -781,6 +845,7 @@ FROM_COORDINATOR = _table(
     TierCommit,
     TierRestore,
     TierFlushed,
+    Watch,
 )
 
 

@@ -21,6 +21,7 @@ from hpcelastic.agent.console import write_line
 from hpcelastic.agent.coordinator import Coordinator
 from hpcelastic.agent.health import GpuHealth
 from hpcelastic.agent.messages import Message
+from hpcelastic.agent.peerwatch import PEER_WATCH_ABOVE
 from hpcelastic.agent.spec import AgentSpec
 from hpcelastic.agent.workers import WorkerGroup
 from hpcelastic.env.base import NodeContext
@@ -48,11 +49,17 @@ class Timing:
     #: Probing with no answer for this long after that: the peer is lost.
     probe_timeout: float = liveness.PROBE_TIMEOUT
     health_interval: float = 30.0
+    #: Agents watch each other in a ring (``peerwatch.py``): beats every ``beat_interval`` to the watcher,
+    #: reported after ``beat_timeout`` without one; a silent node is then found as fast as in a small job.
+    peer_watch: bool = False
+    beat_interval: float = liveness.HEARTBEAT_INTERVAL
+    beat_timeout: float = liveness.HEARTBEAT_TIMEOUT
 
     @property
     def detection_s(self) -> float:
         """Silence on both paths after which a peer is lost (``liveness.detection_bound``)."""
-        return liveness.detection_bound(self.heartbeat_timeout, self.probe_timeout)
+        suspect_after = min(self.heartbeat_timeout, self.beat_timeout) if self.peer_watch else None
+        return liveness.detection_bound(suspect_after or self.heartbeat_timeout, self.probe_timeout)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str], nodes: int = 1) -> Timing:
@@ -65,19 +72,24 @@ class Timing:
                 raise UserError(f"{name}={environ[name]!r} is not a number") from None
 
         interval = number("HPCELASTIC_HEARTBEAT_INTERVAL", cls.for_nodes(nodes).heartbeat_interval)
+        watch = environ.get("HPCELASTIC_PEER_WATCH", "")
+        if watch not in ("", "0", "1"):
+            raise UserError(f"HPCELASTIC_PEER_WATCH={watch!r} is not 0 or 1")
         return cls(
             interval,
             number("HPCELASTIC_HEARTBEAT_TIMEOUT", cls.suspect_after(interval)),
             number("HPCELASTIC_PROBE_TIMEOUT", cls.probe_timeout),
             number("HPCELASTIC_HEALTH_INTERVAL", cls.health_interval),
+            peer_watch=watch == "1" if watch else cls.for_nodes(nodes).peer_watch,
         )
 
     @classmethod
     def for_nodes(cls, nodes: int) -> Timing:
         """The defaults for ``nodes`` agents: heartbeats every 0.25 s up to 500 nodes, then every
-        ``nodes / HEARTBEATS_PER_S`` s (8.2 s at 16,384), suspected after 2.5 intervals (at least 2 s)."""
+        ``nodes / HEARTBEATS_PER_S`` s (8.2 s at 16,384), suspected after 2.5 intervals (at least 2 s); above
+        500 nodes the agents also watch each other (``peerwatch.py``)."""
         interval = max(cls.heartbeat_interval, nodes / HEARTBEATS_PER_S)
-        return cls(interval, cls.suspect_after(interval))
+        return cls(interval, cls.suspect_after(interval), peer_watch=nodes > PEER_WATCH_ABOVE)
 
     @classmethod
     def suspect_after(cls, interval: float) -> float:

@@ -2,7 +2,9 @@
 
 Real `hpcelastic run` agents (no Slurm), real gloo: the coordinator stops hearing node 1's agent, declares the
 node lost within the detection bound (silence, then unanswered probes), names it in ``root_cause`` and
-restarts on the surviving node.
+restarts on the surviving node. Again with the heartbeats a 16,384-node job has (every 8.2 s, silence
+suspected after 20.5 s) and the peer watch that such a job runs (``agent/peerwatch.py``): the node's watcher
+finds it as fast.
 """
 
 from __future__ import annotations
@@ -40,12 +42,17 @@ def agent_of_node(run: Path, node: int) -> psutil.Process | None:
     return None
 
 
-def test_frozen_node_is_named_and_the_job_finishes(tmp_path: Path) -> None:
+#: As ``runtime.Timing.for_nodes(16384)`` has them: without the peer watch a frozen node is found after 23 s.
+LARGE_JOB = {"HPCELASTIC_HEARTBEAT_INTERVAL": "8.192", "HPCELASTIC_PEER_WATCH": "1"}
+
+
+@pytest.mark.parametrize("timing", [{}, LARGE_JOB], ids=["small-job", "large-job-peer-watch"])
+def test_frozen_node_is_named_and_the_job_finishes(tmp_path: Path, timing: dict[str, str]) -> None:
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "hpcelastic", "run", "--nodes", "1:2", "--nproc-per-node", "2"]
     argv += ["--stall-timeout", "10", "--max-restarts", "1", "--run-dir", str(run)]
     argv += [str(REPO / "examples" / "hang_train.py"), "--steps", "40", "--step-time", "0.3"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HANG_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HANG_")} | timing
     launcher = subprocess.Popen(
         argv, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

@@ -267,3 +267,15 @@ def test_the_probe_thread_outlives_probes_sent_while_it_settles_answers() -> Non
         client.close()
         sink.close()
         answers.close()
+
+
+def test_control_connections_retransmit_at_least_every_second_on_both_ends(plane: Plane) -> None:
+    """At 20 % loss on both links the doubling retransmission timeout once stalled healthy streams past the
+    30 s cap 8 times an hour; both ends of every control connection cap it (``keep_stream_moving``)."""
+    rto_max_ms, thin_linear = liveness._TCP_RTO_MAX_MS, liveness._TCP_THIN_LINEAR_TIMEOUTS
+    agent_end = plane.clients[0]._sock
+    assert agent_end is not None
+    coordinator_end = plane.coordinator._by_rank[0].sock
+    for sock in (agent_end, coordinator_end):
+        assert sock.getsockopt(socket.IPPROTO_TCP, rto_max_ms) == liveness.STREAM_RTO_MAX_MS
+        assert sock.getsockopt(socket.IPPROTO_TCP, thin_linear) == 1
