@@ -6,6 +6,12 @@ handshake (``protocol.client_hello``/``client_welcome``) over its own TCP socket
 ``stopped``), without workers. The driver steers the process through a pipe; every reply and
 notification is a tuple. Times are ``time.time()`` so they compare with ``events.jsonl``.
 
+With ``peer_watch`` the agents take part in the peer watch (``agent/peerwatch.py``) as ``CoordinatorClient``
+does: each has a probe port (one UDP socket per process, datagrams told apart by node rank), acknowledges
+its ``Watch`` and answers the coordinator's probes. Only the agents the driver names (``beat``) send beats,
+and only their watchers watch: the beats never reach the coordinator, so its load is the same as with every
+agent beating, which two cores could not carry in Python next to the coordinator.
+
 An agent whose connection brings no challenge (closed by the coordinator's cap of unauthenticated
 connections, refused, or silent for ``CHALLENGE_TIMEOUT``) connects again after ``RETRY_DELAY``, as
 ``CoordinatorClient.connect`` does.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import selectors
 import socket
@@ -28,8 +35,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from hpcelastic.agent import messages, protocol
+from hpcelastic.agent import liveness, messages, protocol
 from hpcelastic.agent.client import CHALLENGE_TIMEOUT, RETRY_DELAY, CoordinatorClient, CoordinatorUnreachable
+from hpcelastic.agent.peerwatch import WatchedPeer
 
 LOOP_LIMIT_S = 600.0
 #: Agents connect from this many loopback addresses (127.0.1.x), as from as many hosts: one address's
@@ -60,16 +68,33 @@ class SimAgent:
     stops: dict[int, float] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
     error: str | None = None
+    #: The peer watch: whom it watches, where its watcher listens, its probes' key, its watchee's state.
+    watchee: int = -1
+    watcher_addr: tuple[str, int] | None = None
+    probe_key: bytes = b""
+    peer: WatchedPeer | None = None
 
 
 class AgentSwarm:
     """The agents of one process and the event loop that serves them and the driver's pipe."""
 
-    def __init__(self, port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
+    def __init__(
+        self, port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float, peer_watch: bool
+    ) -> None:
         self.port, self.secret, self.ctl, self.hb_interval = port, secret, ctl, hb_interval
         self.agents = {r: SimAgent(r) for r in ranks}
         self.sel = selectors.DefaultSelector()
         self.sel.register(ctl.fileno(), selectors.EVENT_READ, None)
+        self.peer_watch = peer_watch
+        self.peer_key = liveness.peer_key(secret)
+        #: Ranks whose beats are real (``beat``): their own agents send them, their watchers watch them.
+        self.beating: set[int] = set()
+        self.udp: socket.socket | None = None
+        if peer_watch:
+            self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.bind(("", 0))  # every 127.0.1.x an agent connects from
+            self.udp.setblocking(False)
+            self.sel.register(self.udp, selectors.EVENT_READ, "udp")
         self.connect_ts: float | None = None
         self.announced: set[int] = set()
         #: Per round not yet announced: the live agents still waiting for its assignment.
@@ -83,6 +108,7 @@ class AgentSwarm:
             messages.Round: self._on_round,
             messages.Stop: self._on_stop,
             messages.Finish: self._on_finish,
+            messages.Watch: self._on_watch,
         }
 
     # ---- driver commands --------------------------------------------------------------------
@@ -107,6 +133,13 @@ class AgentSwarm:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(a.sock)
             self.ctl.send(("silenced", a.rank, time.time()))
+        elif name == "beat":
+            self.beating.add(cmd[1])
+            now = time.monotonic()
+            for a in self.agents.values():
+                if a.watchee == cmd[1] and a.peer is None:
+                    a.peer = WatchedPeer(a.watchee, ("", 0), now)
+            self.ctl.send(("beating", cmd[1], time.time()))
         elif name == "done":
             for a in self._live():
                 self._send(a, messages.Done(a.round))
@@ -190,6 +223,64 @@ class AgentSwarm:
 
     def _on_heartbeat(self, _msg: messages.Heartbeat, _a: SimAgent) -> None:
         self.hb_received += 1
+
+    def _on_watch(self, msg: messages.Watch, a: SimAgent) -> None:
+        a.watchee = msg.watchee[0] if msg.watchee else -1
+        a.watcher_addr = (msg.watcher[1], msg.watcher[2]) if msg.watcher else None
+        watches = a.watchee in self.beating
+        a.peer = (
+            WatchedPeer(a.watchee, ("", 0), time.monotonic(), a.peer.last_counter if a.peer else 0)
+            if watches
+            else None
+        )
+        self._send(a, messages.Watching(msg.epoch, a.watchee, msg.watcher[0] if msg.watcher else -1))
+
+    def _beat(self) -> None:
+        """The named agents beat to their watchers; their watchers report them when they fall silent."""
+        assert self.udp is not None
+        now = time.monotonic()
+        for a in self.agents.values():
+            if a.rank in self.beating and a.joined and not a.silent and a.watcher_addr is not None:
+                beat = liveness.Probe(liveness.FROM_AGENT, liveness.BEAT, a.rank, int(now * 1e6))
+                with contextlib.suppress(OSError):
+                    self.udp.sendto(liveness.encode(beat, self.peer_key), a.watcher_addr)
+            if (
+                a.peer is not None
+                and not a.gone
+                and a.peer.report_due(now, liveness.HEARTBEAT_TIMEOUT) is not None
+            ):
+                self._send(a, messages.PeerSilent(a.peer.rank, round(now - a.peer.last_heard, 3)))
+
+    def _datagrams(self) -> None:
+        """Beats to echo, and the coordinator's probes to answer (for the agents that are not silent)."""
+        assert self.udp is not None
+        for _ in range(256):
+            try:
+                data, addr = self.udp.recvfrom(256)
+            except (BlockingIOError, InterruptedError):
+                return
+            rank = liveness.node_rank_of(data)
+            if rank is None:
+                continue
+            with contextlib.suppress(protocol.ProtocolError):
+                probe = liveness.decode(data, self.peer_key)
+                if probe.kind == liveness.BEAT:
+                    for a in self.agents.values():
+                        watching = a.peer is not None and a.peer.rank == rank and not a.silent
+                        if watching and a.peer.beat(probe.counter, time.monotonic()):  # type: ignore[union-attr]
+                            echo = liveness.encode(
+                                dataclasses.replace(probe, kind=liveness.ECHO), self.peer_key
+                            )
+                            self.udp.sendto(echo, addr)
+                continue
+            a = self.agents.get(rank)
+            if a is None or a.silent or not a.probe_key:
+                continue
+            with contextlib.suppress(protocol.ProtocolError, OSError):
+                probe = liveness.decode(data, a.probe_key)
+                if probe.sender == liveness.FROM_COORDINATOR and probe.kind == liveness.QUERY:
+                    answer = dataclasses.replace(probe, sender=liveness.FROM_AGENT, kind=liveness.ANSWER)
+                    self.udp.sendto(liveness.encode(answer, a.probe_key), addr)
 
     def _on_round(self, msg: messages.Round, a: SimAgent) -> None:
         now = time.time()
@@ -288,8 +379,12 @@ class AgentSwarm:
                 if a.gone:
                     return
                 if a.session is None:
-                    hello = messages.Hello(node_rank=a.rank, host=f"sim{a.rank}", nproc=1, pid=a.rank)
+                    probe_port = self.udp.getsockname()[1] if self.udp is not None else 0
+                    hello = messages.Hello(
+                        node_rank=a.rank, host=f"sim{a.rank}", nproc=1, pid=a.rank, probe_port=probe_port
+                    )
                     a.session, frame = protocol.client_hello(self.secret, payload, messages.encode(hello))
+                    a.probe_key = liveness.probe_key(a.session)
                     a.out += frame
                     self._flush(a)
                 elif not a.joined:
@@ -326,13 +421,19 @@ class AgentSwarm:
         """Serve until the driver says ``exit`` (or the loop's hard time limit passes)."""
         hard_stop = time.monotonic() + LOOP_LIMIT_S
         next_hb = time.monotonic() + self.hb_interval
+        next_beat = time.monotonic() + liveness.HEARTBEAT_INTERVAL
         self.ctl.send(("ready",))
         while self.running and time.monotonic() < hard_stop:
             wake = min(next_hb, self.retry_queue[0][0]) if self.retry_queue else next_hb
+            if self.peer_watch:
+                wake = min(wake, next_beat)
             for key, mask in self.sel.select(timeout=max(0.0, wake - time.monotonic())):
                 a = key.data
                 if a is None:
                     self.command(self.ctl.recv())
+                    continue
+                if a == "udp":
+                    self._datagrams()
                     continue
                 if mask & selectors.EVENT_WRITE and not a.gone:
                     self._flush(a)
@@ -343,13 +444,18 @@ class AgentSwarm:
                 next_hb = time.monotonic() + self.hb_interval
                 self._heartbeat()
                 self._retry_unserved()
+            if self.peer_watch and time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + liveness.HEARTBEAT_INTERVAL
+                self._beat()
         for a in self.agents.values():
             self._close(a)
 
 
-def swarm_main(port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float) -> None:
+def swarm_main(
+    port: int, secret: str, ranks: list[int], ctl: Connection, hb_interval: float, peer_watch: bool = False
+) -> None:
     """Process entry point: serve ``ranks`` as simulated agents of the coordinator at ``port``."""
-    AgentSwarm(port, secret, ranks, ctl, hb_interval).run()
+    AgentSwarm(port, secret, ranks, ctl, hb_interval, peer_watch).run()
 
 
 class _CountingClient(CoordinatorClient):

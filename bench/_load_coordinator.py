@@ -29,6 +29,7 @@ def coordinator_main(
     hb_timeout: float,
     ctl: Connection,
     max_preauth: int | None = None,
+    peer_watch: bool = False,
 ) -> None:
     """Serve ``nodes`` agents until the job finishes or the driver says ``stop``; report the result.
 
@@ -53,6 +54,7 @@ def coordinator_main(
         state,
         run,
         heartbeat_timeout=hb_timeout,
+        peer_watch=peer_watch,
     )
     coord.start()
     ctl.send(("port", coord.port))

@@ -43,8 +43,11 @@ from hpcelastic.rundir import RunDir  # noqa: E402
 
 SECRET = "netdet" * 11
 #: Detection modes: "new" is the shipped timing (HPCELASTIC_* variables); "old" is it without the probe
-#: phase (probe_timeout 0): lost after heartbeat_timeout of silence on the TCP stream, as before issue 19.
-MODES = ("old", "new")
+#: phase (probe_timeout 0): lost after heartbeat_timeout of silence on the TCP stream, as before issue 19;
+#: "watch" is a job of WATCH_NODES nodes as shipped: heartbeats that slow, and the peer watch
+#: (``agent/peerwatch.py``; the pair's two agents watch each other across the links).
+MODES = ("old", "new", "watch")
+WATCH_NODES = 16384
 PORT0 = 41000
 JOIN_TIMEOUT = 120.0
 #: The agents never miss a rendezvous: the round waits for them however long a lossy link takes.
@@ -52,12 +55,14 @@ RDZV_TIMEOUT = 1e9
 
 
 def timing_of(mode: str) -> Timing:
+    if mode == "watch":
+        return Timing.from_environ({**os.environ, "HPCELASTIC_PEER_WATCH": "1"}, nodes=WATCH_NODES)
     timing = Timing.from_environ(os.environ)
     return dataclasses.replace(timing, probe_timeout=0.0) if mode == "old" else timing
 
 
 def port_of(agent: int, mode: str) -> int:
-    return PORT0 + 2 * agent + MODES.index(mode)
+    return PORT0 + len(MODES) * agent + MODES.index(mode)
 
 
 class Log:
@@ -73,10 +78,15 @@ class Log:
             self._f.write(line + "\n")
 
 
-def timing_args(timing: Timing) -> dict[str, float]:
-    """The keyword arguments of ``Coordinator`` that ``timing`` sets (the client takes the heartbeat
-    interval too; the coordinator echoes each heartbeat as it arrives)."""
-    return {"heartbeat_timeout": timing.heartbeat_timeout, "probe_timeout": timing.probe_timeout}
+def timing_args(timing: Timing) -> dict[str, Any]:
+    """The keyword arguments of ``Coordinator`` that ``timing`` sets (the coordinator echoes each heartbeat
+    as it arrives)."""
+    return {
+        "heartbeat_timeout": timing.heartbeat_timeout,
+        "probe_timeout": timing.probe_timeout,
+        "peer_watch": timing.peer_watch,
+        "beat_timeout": timing.beat_timeout,
+    }
 
 
 def client(
@@ -88,7 +98,10 @@ def client(
         SECRET,
         on_message=inbox.put,
         heartbeat_interval=timing.heartbeat_interval,
-        **timing_args(timing),
+        heartbeat_timeout=timing.heartbeat_timeout,
+        probe_timeout=timing.probe_timeout,
+        beat_interval=timing.beat_interval,
+        beat_timeout=timing.beat_timeout,
     )
 
 

@@ -56,6 +56,17 @@ from hpcelastic.rundir import RunDir  # noqa: E402
 
 TARGET_S = 2.0
 TARGET_IDLE_PCT = 10.0
+#: How the coordinator's ``node_lost`` reason of the silent agent begins, without and with the peer watch.
+#: (With the peer watch the heartbeats may find it as fast where they are frequent: either counts.)
+SILENT_REASON = {False: ("no heartbeat",), True: ("no heartbeat", "its watcher")}
+PEER_WATCH_TEXT = (
+    "Each size twice, one after the other: the heartbeats alone (as the section above), then with the peer "
+    "watch (`agent/peerwatch.py`): the agents join a ring the coordinator assigns (`watch` / `watching`), "
+    "and the silent agent is found by its watcher's `peer_silent` and the coordinator's probes. The "
+    "simulated agents have a probe port and answer probes; only the silent agent beats (every 0.25 s, to "
+    "its watcher, a simulated agent that echoes and reports as the real client does), since beats never "
+    "reach the coordinator: its load is what it would be with every agent beating."
+)
 TARGET_NODES = 16384
 DEFAULT_SIZES = (1024, 4096, 16384)
 STEP_TIMEOUT_S = 60.0
@@ -89,7 +100,9 @@ def _expect(conn: Connection, kind: str, timeout: float) -> tuple[Any, ...]:
 class Swarms:
     """The simulated-agent processes and the messages they sent the driver."""
 
-    def __init__(self, port: int, secret: str, nodes: int, procs: int, hb_interval: float) -> None:
+    def __init__(
+        self, port: int, secret: str, nodes: int, procs: int, hb_interval: float, peer_watch: bool = False
+    ) -> None:
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.inbox: list[tuple[Any, ...]] = []
@@ -97,7 +110,8 @@ class Swarms:
         chunks = [list(range(i, nodes, procs)) for i in range(min(procs, nodes))]
         for ranks in chunks:
             parent, child = _ctx().Pipe()
-            p = _ctx().Process(target=swarm_main, args=(port, secret, ranks, child, hb_interval), daemon=True)
+            args = (port, secret, ranks, child, hb_interval, peer_watch)
+            p = _ctx().Process(target=swarm_main, args=args, daemon=True)
             p.start()
             child.close()
             self.conns.append(parent)
@@ -114,7 +128,7 @@ class Swarms:
         """Send a command about one agent; returns its acknowledgement (carrying a timestamp)."""
         conn = self.owner[rank]
         conn.send((*cmd, rank))
-        ack = {"fail": "failed", "close": "closed", "silence": "silenced"}[cmd[0]]
+        ack = {"fail": "failed", "close": "closed", "silence": "silenced", "beat": "beating"}[cmd[0]]
         return _expect(conn, ack, STEP_TIMEOUT_S)
 
     def round_done(self, rnd: int, timeout: float) -> float:
@@ -206,7 +220,7 @@ class _Profile:
 
 
 def _coordinator_process(
-    nodes: int, hb_interval: float, hb_timeout: float, max_preauth: int | None
+    nodes: int, hb_interval: float, hb_timeout: float, max_preauth: int | None, peer_watch: bool = False
 ) -> tuple[Path, RunDir, str, Any, Connection, Connection]:
     """A fresh run directory with its secret, and the (not yet started) coordinator process serving it
     with its pipe: ``(tmp, run, secret, process, driver's end, child's end)``."""
@@ -214,7 +228,7 @@ def _coordinator_process(
     run = RunDir(tmp)
     secret = run.create_secret()
     coord_conn, child = _ctx().Pipe()
-    args = (str(tmp), nodes, MAX_RESTARTS, hb_interval, hb_timeout, child, max_preauth)
+    args = (str(tmp), nodes, MAX_RESTARTS, hb_interval, hb_timeout, child, max_preauth, peer_watch)
     coord = _ctx().Process(target=coordinator_main, args=args, daemon=True)
     return tmp, run, secret, coord, coord_conn, child
 
@@ -228,17 +242,23 @@ def run_hpcelastic(
     idle_s: float = 10.0,
     profile_dir: Path | None = None,
     max_preauth: int | None = None,
+    peer_watch: bool = False,
 ) -> dict[str, Any]:
     """Run every phase once with ``nodes`` simulated agents; returns the figures and the checks.
 
     ``profile_dir``: py-spy samples the coordinator during the join burst and the idle phase
     (``join-N.txt``, ``idle-N.txt``); its sampling costs the coordinator CPU, so profile in a run of its own.
     ``max_preauth``: the coordinator's cap of unauthenticated connections, if not the product's.
+    ``peer_watch``: the agents watch each other (``agent/peerwatch.py``); the silent agent is found by its
+    watcher, which it beats to until it falls silent.
     """
-    if nodes < 4:
-        raise BenchError("the scenario needs at least 4 agents (rank 0, one failing, two lost)")
+    if nodes < max(4, 2 * procs):
+        raise BenchError(
+            "the scenario needs at least 4 agents (rank 0, one failing, two lost) and two per process "
+            "(a process left without a live agent never reports a round)"
+        )
     tmp, run, secret, coord, coord_conn, child = _coordinator_process(
-        nodes, hb_interval, hb_timeout, max_preauth
+        nodes, hb_interval, hb_timeout, max_preauth, peer_watch
     )
     swarms: Swarms | None = None
     reached: list[str] = []
@@ -247,7 +267,7 @@ def run_hpcelastic(
         coord.start()
         child.close()
         port = _expect(coord_conn, "port", STEP_TIMEOUT_S)[1]
-        swarms = Swarms(port, secret, nodes, procs, hb_interval)
+        swarms = Swarms(port, secret, nodes, procs, hb_interval, peer_watch)
         cp = psutil.Process(coord.pid)
         rss_idle_mb = cp.memory_info().rss / 2**20
         cpu = [_cpu(cp)]
@@ -278,6 +298,11 @@ def run_hpcelastic(
         closed_ev = _wait_node_lost(run, closed_rank, STEP_TIMEOUT_S)
         closed_restart_end = swarms.round_done(2, STEP_TIMEOUT_S)
 
+        if peer_watch:
+            swarms.broadcast("beat", silent_rank)
+            for c in swarms.conns:
+                _expect(c, "beating", STEP_TIMEOUT_S)
+            time.sleep(1.0)  # its watcher hears it
         silent_ts = swarms.tell(silent_rank, "silence")[2]
         silent_ev = _wait_node_lost(run, silent_rank, hb_timeout + STEP_TIMEOUT_S)
         silent_restart_end = swarms.round_done(3, STEP_TIMEOUT_S)
@@ -305,6 +330,7 @@ def run_hpcelastic(
     stop0 = [a["stops"].get(0) for a in agents.values()]
     out = {
         "nodes": nodes,
+        "peer_watch": peer_watch,
         "joined_s": max(w for w in welcomes if w is not None) - first_connect if any(welcomes) else math.nan,
         "joined_median_s": statistics.median(w for w in welcomes if w is not None) - first_connect
         if any(welcomes)
@@ -355,7 +381,9 @@ def _check(
     lost = out["lost_events"]
     if [r for r, _ in lost] != [closed_rank, silent_rank]:
         problems.append(f"node_lost events {lost}, expected nodes {closed_rank} then {silent_rank}")
-    elif not ("closed" in lost[0][1] or "reset" in lost[0][1]) or "no heartbeat" not in lost[1][1]:
+    elif not ("closed" in lost[0][1] or "reset" in lost[0][1]) or not lost[1][1].startswith(
+        SILENT_REASON[out["peer_watch"]]
+    ):
         problems.append(f"node_lost reasons {[why for _, why in lost]}")
     restarts = [e["reason"] for e in events if e["event"] == "restarting"]
     if restarts != ["worker_failed", "node_lost", "node_lost"]:
@@ -394,6 +422,7 @@ def run_hpcelastic_repeated(nodes: int, repeats: int, **kwargs: Any) -> dict[str
     out = {k: statistics.median([r[k] for r in runs]) for k in TIMES}
     out.update(
         nodes=nodes,
+        peer_watch=kwargs.get("peer_watch", False),
         repeats=repeats,
         hb_interval=kwargs.get("hb_interval", 0.5),
         hb_timeout=kwargs.get("hb_timeout", 2.0),
@@ -510,10 +539,15 @@ def _real_cell(r: dict[str, Any] | None) -> str:
     return f"{_f(r['seconds'])} ({r['retries']} retries)"
 
 
-def markdown(rows: list[Row], command: str, procs: int, idle_s: float) -> str:
-    """The RESULTS.md section for these sizes."""
+def markdown(rows: list[Row], command: str, procs: int, idle_s: float, peer_watch: bool = False) -> str:
+    """The RESULTS.md section for these sizes (``peer_watch``: the section that sets the peer watch beside
+    the heartbeats alone)."""
     lines = [
-        "## Control-plane load (`bench/control_plane_load.py`)",
+        "## Control-plane load with the peer watch (`bench/control_plane_load.py --peer-watch`)"
+        if peer_watch
+        else "## Control-plane load (`bench/control_plane_load.py`)",
+        "",
+        PEER_WATCH_TEXT if peer_watch else "",
         "",
         machine_line() + " The machine is shared: the 1-minute load average when each size started is "
         "in the table.",
@@ -558,8 +592,9 @@ def markdown(rows: list[Row], command: str, procs: int, idle_s: float) -> str:
         checks = "all passed" if not h["problems"] else "; ".join(h["problems"][:3])
         if h["reconnects"]:
             checks += f" ({h['reconnects']} reconnections over the runs)"
+        size = f"{h['nodes']}, peer watch" if h.get("peer_watch") else str(h["nodes"])
         lines.append(
-            f"| {h['nodes']} | {h['repeats']} | {load} | {_f(h['joined_s'])} ({_f(h['joined_median_s'])}) "
+            f"| {size} | {h['repeats']} | {load} | {_f(h['joined_s'])} ({_f(h['joined_median_s'])}) "
             f"| {_f(h['rendezvous_s'])} "
             f"[{_f(h['worst_rendezvous_s'])}] "
             f"| {_f(h['restart_s'])} [{_f(h['worst_restart_s'])}] ({_f(h['stop_s'])}) "
@@ -629,6 +664,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="write py-spy profiles of the coordinator here (one run)")
     ap.add_argument("--no-c10d", action="store_true", help="skip torch's c10d rendezvous")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    ap.add_argument(
+        "--peer-watch",
+        action="store_true",
+        help="run each size with the heartbeats alone and with the peer watch (agent/peerwatch.py), one "
+        "after the other; writes the control_plane_peer_watch section",
+    )
     args = ap.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -645,49 +686,54 @@ def main(argv: list[str] | None = None) -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     for n, n_repeats, hb_interval, hb_timeout in zip(sizes, repeats, hb_intervals, hb_timeouts, strict=True):
-        load = os.getloadavg()[0]
-        try:
-            h = run_hpcelastic_repeated(
-                n,
-                n_repeats,
-                procs=args.procs,
-                hb_interval=hb_interval,
-                hb_timeout=hb_timeout,
-                idle_s=args.idle,
-                profile_dir=args.profile,
-            )
-        except BenchError as e:
-            h = {"nodes": n, "error": str(e), "problems": [str(e)]}
-            print(f"N={n}: hpcelastic: {e}", flush=True)
-        else:
-            print(_summary(h), flush=True)
-        h["load"] = load
-        r = None
-        if n <= args.real_max:
+        for watch in (False, True) if args.peer_watch else (False,):
+            load = os.getloadavg()[0]
             try:
-                r = run_real_clients(n, procs=args.procs)
+                h = run_hpcelastic_repeated(
+                    n,
+                    n_repeats,
+                    procs=args.procs,
+                    hb_interval=hb_interval,
+                    hb_timeout=hb_timeout,
+                    idle_s=args.idle,
+                    profile_dir=args.profile,
+                    peer_watch=watch,
+                )
             except BenchError as e:
-                r = {"nodes": n, "joined": 0, "seconds": None, "retries": 0, "errors": [str(e)]}
-            print(f"N={n}: real clients: {_real_cell(r)}", flush=True)
-        c = None
-        if not args.no_c10d:
-            try:
-                c = run_c10d(n, limit_s=args.c10d_limit, procs=args.procs)
-            except BenchError as e:
-                c = {
-                    "nodes": n,
-                    "limit_s": args.c10d_limit,
-                    "completed": False,
-                    "joined": 0,
-                    "errors": [str(e)],
-                }
-            print(f"N={n}: torch c10d: {_c10d_cell(c)} {c['errors'] or ''}", flush=True)
-        rows.append((h, r, c))
+                h = {"nodes": n, "peer_watch": watch, "error": str(e), "problems": [str(e)]}
+                print(f"N={n}: hpcelastic: {e}", flush=True)
+            else:
+                print(_summary(h), flush=True)
+            h["load"] = load
+            if watch:
+                rows.append((h, None, None))
+                continue
+            r = None
+            if n <= args.real_max:
+                try:
+                    r = run_real_clients(n, procs=args.procs)
+                except BenchError as e:
+                    r = {"nodes": n, "joined": 0, "seconds": None, "retries": 0, "errors": [str(e)]}
+                print(f"N={n}: real clients: {_real_cell(r)}", flush=True)
+            c = None
+            if not args.no_c10d:
+                try:
+                    c = run_c10d(n, limit_s=args.c10d_limit, procs=args.procs)
+                except BenchError as e:
+                    c = {
+                        "nodes": n,
+                        "limit_s": args.c10d_limit,
+                        "completed": False,
+                        "joined": 0,
+                        "errors": [str(e)],
+                    }
+                print(f"N={n}: torch c10d: {_c10d_cell(c)} {c['errors'] or ''}", flush=True)
+            rows.append((h, r, c))
     command = "python bench/control_plane_load.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = markdown(rows, command.strip(), args.procs, args.idle)
+    text = markdown(rows, command.strip(), args.procs, args.idle, args.peer_watch)
     print(text)
     if not args.no_write:
-        update_section("control_plane_load", text)
+        update_section("control_plane_peer_watch" if args.peer_watch else "control_plane_load", text)
     return 0 if all(not h["problems"] for h, _, _ in rows) else 1
 
 

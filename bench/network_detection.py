@@ -10,7 +10,9 @@ real ``CoordinatorClient`` per mode on each agent node. The modes:
 * new: the shipped detection (``runtime.Timing``: heartbeat_timeout, then UDP probes for probe_timeout;
   ``HPCELASTIC_HEARTBEAT_TIMEOUT``/``HPCELASTIC_PROBE_TIMEOUT`` change them; a run keeps them in
   timing.json);
-* old: the same with ``probe_timeout`` 0, i.e. lost after heartbeat_timeout of TCP silence, as before.
+* old: the same with ``probe_timeout`` 0, i.e. lost after heartbeat_timeout of TCP silence, as before;
+* watch: the shipped timing of a 16,384-node job (heartbeats every 8.2 s) with the peer watch
+  (``agent/peerwatch.py``): the two agents of the pair watch each other across the links.
 
 Each group's setting (``testbed.sh netem``) is on every link of the group, the coordinator's too, so a
 packet crosses two impaired links (5 % loss per link is ~10 % per path). The groups run at once. Three agent
@@ -45,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
-from _netdet_node import MODES  # noqa: E402
+from _netdet_node import MODES, WATCH_NODES, timing_of  # noqa: E402
 from _results import machine_line, update_section  # noqa: E402
 
 from hpcelastic.agent import liveness  # noqa: E402
@@ -70,8 +72,9 @@ OLD_JOIN_TIMEOUT = 45.0
 STALL_S = 1.0
 #: Spurious losses of the new detection listed one by one per setting, at most.
 MAX_LISTED = 6
-#: How the coordinator's ``node_lost`` reason of a silent agent begins (coordinator._drop_silent).
-SILENCE_REASON = "no heartbeat"
+#: How the coordinator's ``node_lost`` reason of a silent agent begins (coordinator._drop_silent; with the
+#: peer watch, coordinator._watched_lost).
+SILENCE_REASON = ("no heartbeat", "its watcher")
 #: A spurious loss this long after a CPU stall (or a stall up to 1 s after it) is counted as starvation.
 STARVED_WINDOW = 6.0
 
@@ -151,6 +154,8 @@ def summarize_group(
         "agent_hours": hours,
     }
     for mode in MODES:
+        if mode not in group.get("modes", ("old", "new")):  # runs before the peer watch had two
+            continue
         lost = [r for r in in_window(coordinator, "lost", soak_agents, start, end) if r["mode"] == mode]
         fenced = [r for r in in_window(fences, "fenced", soak_agents, start, end) if r["mode"] == mode]
         detect: dict[str, list[float]] = {"cut": [], "kill": []}
@@ -219,6 +224,8 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for s in summaries:
         for mode in MODES:
+            if mode not in s:
+                continue
             m = s[mode]
             per_hour = "n/a" if m["lost_per_hour"] is None else f"{m['lost_per_hour']:.1f}"
             lag = f"{max(m['fence_lag']):+.2f}" if m["fence_lag"] else "n/a"
@@ -234,32 +241,47 @@ def table(summaries: Sequence[Mapping[str, Any]]) -> str:
 
 def mode_label(mode: str, timing: Mapping[str, float]) -> str:
     """``new (2+2 s, hb 0.5 s)``: the mode, heartbeat_timeout + probe_timeout, heartbeat interval."""
+    if mode == "watch":
+        w = timing_of("watch")
+        return (
+            f"peer watch ({w.beat_timeout:g}+{w.probe_timeout:g} s, beats {w.beat_interval:g} s; "
+            f"hb {w.heartbeat_interval:g} s as at {WATCH_NODES:,} nodes)"
+        )
     probe = 0.0 if mode == "old" else timing["probe_timeout"]
     return f"{mode} ({timing['heartbeat_timeout']:g}+{probe:g} s, hb {timing['heartbeat_interval']:g} s)"
 
 
-def markdown(summaries: Sequence[Mapping[str, Any]], machine: str) -> str:
+def markdown(
+    summaries: Sequence[Mapping[str, Any]],
+    machine: str,
+    title: str = "Failure detection on lossy and cut links",
+    note: str = "",
+) -> str:
     notes = []
     for s in summaries:
         notes += [f"- {s['setting']}: {line}" for line in s.get("notes", [])]
-        spurious = s["new"]["spurious"]
-        if len(spurious) > MAX_LISTED:
-            starved = sum(r["starved"] for r in spurious)
-            notes.append(
-                f"- new detection, {s['setting']}: {len(spurious)} spurious node_lost and fences, "
-                f"{starved} of them after a CPU stall"
-            )
-            spurious = []
-        for r in spurious:
-            when = time.strftime("%H:%M:%S", time.gmtime(r["at"]))
-            what = (r["reason"] or "fenced") + (" (after a CPU stall)" if r["starved"] else "")
-            notes.append(f"- new detection, {s['setting']}: agent {r['agent']} at {when} UTC: {what}")
-        missed = s["new"]["missed_trials"] + s["old"]["missed_trials"]
+        for mode, label in (("new", "new detection"), ("watch", "peer watch")):
+            if mode not in s:
+                continue
+            spurious = s[mode]["spurious"]
+            if len(spurious) > MAX_LISTED:
+                starved = sum(r["starved"] for r in spurious)
+                notes.append(
+                    f"- {label}, {s['setting']}: {len(spurious)} spurious node_lost and fences, "
+                    f"{starved} of them after a CPU stall"
+                )
+                spurious = []
+            for r in spurious:
+                when = time.strftime("%H:%M:%S", time.gmtime(r["at"]))
+                what = (r["reason"] or "fenced") + (" (after a CPU stall)" if r["starved"] else "")
+                notes.append(f"- {label}, {s['setting']}: agent {r['agent']} at {when} UTC: {what}")
+        missed = [t for mode in MODES if mode in s for t in s[mode]["missed_trials"]]
         if missed:
             notes.append(f"- {s['setting']}: no node_lost within {CUT_S:g} s of trial(s) {', '.join(missed)}")
     return (
-        "## Failure detection on lossy and cut links (`bench/network_detection.py`)\n\n"
-        f"{machine} Slurm testbed instance with a network namespace per node (veth + bridge; this "
+        f"## {title} (`bench/network_detection.py`)\n\n"
+        + (f"{note}\n\n" if note else "")
+        + f"{machine} Slurm testbed instance with a network namespace per node (veth + bridge; this "
         "kernel has no sch_netem: loss is nftables, delay an NFQUEUE process, per direction of each "
         "node's link). No Slurm job: a real `Coordinator` per agent and mode (a `JobState` whose round "
         "never ends) on a coordinator node, a real `CoordinatorClient` per mode on each agent node; each "
@@ -271,7 +293,10 @@ def markdown(summaries: Sequence[Mapping[str, Any]], machine: str) -> str:
         "coordinator loses an agent after heartbeat_timeout without a frame, as before; the agent's "
         "lease then also ends after that long without an echo of its heartbeats (a round trip, where "
         "the agent before counted any frame from the coordinator), so its fences overstate the old "
-        "agent's on slow links.\n\n"
+        "agent's on slow links; **peer watch** = a job as large as the label says, as shipped: "
+        "heartbeats to the coordinator that slow, and the peer watch (`agent/peerwatch.py`): the pair's "
+        "two agents (rank 0 on the coordinator's node, the agent across the links) beat to each other every "
+        "0.25 s, a watcher reports silence after 2 s, the coordinator probes for 2.75 s more.\n\n"
         "Spurious node_lost: of the healthy agents during the soak; *after a CPU stall*: within "
         f"{STARVED_WINDOW:g} s after a 0.1 s sleep of the bench overran by {STALL_S:g} s or more, or "
         "after a rank-0 client (on the coordinator's own node, no link between them) fenced itself: "
@@ -444,6 +469,7 @@ def run_group(group: Group, soak_s: float, trials: int, results: dict[int, dict[
         results[group.index] = {
             "setting": group.setting.name,
             "soak": [start, time.time()],
+            "modes": list(MODES),
             "trials": group.trials,
         }
     except Exception as e:  # reported with the results: the other groups go on
@@ -513,6 +539,13 @@ def main() -> None:
         help="only the table of earlier runs' logs (several: their rows one after the other)",
     )
     p.add_argument("--no-write", action="store_true", help="do not write bench/RESULTS.md")
+    p.add_argument(
+        "--section",
+        nargs=2,
+        metavar=("NAME", "TITLE"),
+        help="write this section of bench/RESULTS.md instead (e.g. a comparison of runs with --summarize)",
+    )
+    p.add_argument("--note", default="", help="a paragraph under the section's title")
     p.add_argument("--instance", default=INSTANCE, help="testbed instance name (one of its own)")
     p.add_argument("--index", type=int, default=INSTANCE_INDEX, help="its TESTBED_INDEX")
     args = p.parse_args()
@@ -551,10 +584,11 @@ def main() -> None:
                 tb.down()
         runs = [out]
     summaries = [s for run in runs for s in summarize(run)]
-    text = markdown(summaries, (runs[0] / "machine.txt").read_text())
+    name, title = args.section or ("network_detection", "Failure detection on lossy and cut links")
+    text = markdown(summaries, (runs[0] / "machine.txt").read_text(), title, args.note)
     print(text)
     if not args.no_write:
-        update_section("network_detection", text)
+        update_section(name, text)
 
 
 if __name__ == "__main__":
