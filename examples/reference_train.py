@@ -56,6 +56,7 @@ FAULTS = (
     "startup",
     "init",
     "slow-save",
+    "late-exit",
 )
 
 
@@ -79,7 +80,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--format", choices=("pt", "dcp"), default="pt", help="with --plain: how checkpoints are saved"
     )
     p.add_argument("--direct-save", action="store_true", help="torch.save straight to the file (no rename)")
-    p.add_argument("--save-delay", type=float, default=3.0, help="seconds a slow-save fault stalls the save")
+    p.add_argument(
+        "--save-delay",
+        type=float,
+        default=3.0,
+        help="seconds a slow-save fault stalls the save (late-exit: the exit)",
+    )
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-step", type=int, default=10)
     p.add_argument("--fault-rank", default="1", help="rank(s) that inject the fault, e.g. 1 or 1,3")
@@ -334,6 +340,8 @@ def main(argv: list[str]) -> int:
         (out / "final.json").write_text(json.dumps(result) + "\n")
         print(f"final parameters sha256={result['sha256']}", flush=True)
     dist.destroy_process_group()
+    if args.fault == "late-exit" and fault_armed(args, rank):
+        time.sleep(args.save_delay)  # this rank's process outlives the others' (a slow teardown)
     return 0
 
 

@@ -135,9 +135,12 @@ class NodeLoop:
         self.resume_watch: ResumeWatch | None = None
         #: The local checkpoint tier's flush at the end of the workers: what to send once the coordinator
         #: says the last checkpoint is persisted (or when ``flush_deadline`` passes), and whether
-        #: ``TierFlush`` went out for this round.
+        #: ``TierFlush`` went out for this round. After every worker exited 0 (``flush_wait``: the grace
+        #: period) the deadline starts at the coordinator's ``TierFlushing``: other nodes' workers may still
+        #: run, and this node waits for them at the exit barrier anyway.
         self.flush_then: Callable[[], None] | None = None
         self.flush_deadline: float | None = None
+        self.flush_wait: float | None = None
         self.flush_sent_round: int | None = None
         #: Slow-node detection's evidence of this node's ranks in the current round (None: off, no round),
         #: and their stacks while the pace has dropped (the ``input`` kind; None: detection off).
@@ -158,6 +161,7 @@ class NodeLoop:
             messages.TierSafe: self._on_tier,
             messages.TierCommit: self._on_tier,
             messages.TierRestore: self._on_tier,
+            messages.TierFlushing: self._on_tier_flushing,
             messages.TierFlushed: self._on_tier_flushed,
             messages.Retire: self._on_retire,
         }
@@ -441,8 +445,7 @@ class NodeLoop:
         elif not group.running():
             self.state = State.RESTARTING  # exit barrier: wait for the coordinator's decision
             done = messages.Done(self.round.round)
-            deadline = time.monotonic() + self.rt.spec.grace_period
-            self._flush_then(lambda: client.send(done), deadline, finished=True)
+            self._flush_then(lambda: client.send(done), finished=True)
 
     def _stop_and_report(self, rnd: messages.Round) -> None:
         """Stop every local worker, then tell the coordinator this node is stopped for the round."""
@@ -727,19 +730,28 @@ class NodeLoop:
         if watch is not None and watch.pending:
             self._on_checkpoint_read()
 
-    def _flush_then(self, then: Callable[[], None], deadline: float, finished: bool = False) -> None:
-        """The workers are gone (``finished``: every one exited with status 0): ``then`` once the job's last
-        checkpoint is persisted (the coordinator's ``TierFlushed``), or at ``deadline`` at the latest; at
-        once without a tier."""
+    def _flush_then(
+        self, then: Callable[[], None], deadline: float | None = None, finished: bool = False
+    ) -> None:
+        """The workers are gone: ``then`` once the job's last checkpoint is persisted (the coordinator's
+        ``TierFlushed``), or at ``deadline`` at the latest; at once without a tier. ``finished``: every
+        worker exited with status 0; the deadline is the grace period from the coordinator's
+        ``TierFlushing``."""
         tier, rnd = self.rt.tier, self.round
         if tier is None or rnd is None:
             then()
             return
         tier.final_scan(self.rt.group.writing(), position_of(rnd), finished)
-        self.flush_then, self.flush_deadline = then, deadline
+        self.flush_then = then
+        self.flush_deadline = None if finished else deadline
+        self.flush_wait = self.rt.spec.grace_period if finished else None
         if self.flush_sent_round != rnd.round:
             self.flush_sent_round = rnd.round
             self.rt.client.send(messages.TierFlush(rnd.round))
+
+    def _on_tier_flushing(self, msg: messages.TierFlushing) -> None:
+        if self.flush_then is not None and self.flush_wait is not None:
+            self.flush_deadline = time.monotonic() + self.flush_wait
 
     def _on_tier_flushed(self, msg: messages.TierFlushed) -> None:
         then = self.flush_then
@@ -772,6 +784,7 @@ class NodeLoop:
     def _cancel_flush(self) -> None:
         self.flush_then = None
         self.flush_deadline = None
+        self.flush_wait = None
 
     def _terminate(self, signum: int, ts: float) -> None:
         """SIGTERM/SIGINT/SIGHUP (delivered at ``ts``): stop the workers and leave the job."""

@@ -775,6 +775,19 @@ class TierRestore(Message):
 
 
 @dataclass(frozen=True)
+class TierFlushing(Message):
+    """Every node of the round has sent :class:`TierFlush`: the persist of the job's last checkpoint
+    ``name`` begins now (the wait for it counts from here, not from the end of this node's workers)."""
+
+    TAG = "tier_flushing"
+    name: str
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> TierFlushing:
+        return cls(str(d["name"]))
+
+
+@dataclass(frozen=True)
 class TierFlushed(Message):
     """Answer to every node's :class:`TierFlush`: the job's last checkpoint ``name`` is persisted (``ok``),
     or why not."""
@@ -844,6 +857,7 @@ FROM_COORDINATOR = _table(
     TierSafe,
     TierCommit,
     TierRestore,
+    TierFlushing,
     TierFlushed,
     Watch,
 )

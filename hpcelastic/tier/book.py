@@ -104,6 +104,8 @@ class TierBook:
     round: int = -1
     completed: int = 0
     flushing: set[int] = field(default_factory=set)
+    #: Every node of the round has flushed and the last checkpoint's persist began (``TierFlushing`` sent).
+    flush_begun: bool = False
     flushed: bool = False
     #: (round, checkpoint) of the restore planned for the current round.
     _plan: tuple[int, Checkpoint | None] | None = None
@@ -226,6 +228,7 @@ class TierBook:
         self.round = round
         self._round_positions = set()
         self.flushing.clear()
+        self.flush_begun = False
         self.flushed = False
         for c in self.checkpoints.values():
             if c.pending:
@@ -490,8 +493,15 @@ class TierBook:
             missing = [p.position for p in target.stored() if not p.holders & set(self.members)]
             if missing:
                 return self._flushed(target, ok=False, why=f"no node holds part {missing[0]} any more")
-            return self._persist_parts(target)
-        return []
+            return self._begin_flush(target) + self._persist_parts(target)
+        return self._begin_flush(target)
+
+    def _begin_flush(self, target: Checkpoint) -> list[Action]:
+        """Tell every node, once, that the last checkpoint's persist runs: their wait counts from now."""
+        if self.flush_begun:
+            return []
+        self.flush_begun = True
+        return [Send(n, messages.TierFlushing(target.name)) for n in sorted(self.members)]
 
     def _flushed(self, target: Checkpoint | None, *, ok: bool, why: str) -> list[Action]:
         self.flushed = True

@@ -289,6 +289,34 @@ def test_a_full_shared_file_system_is_said_in_the_record_and_training_goes_on(tm
         subprocess.run(["umount", "-l", str(shared)], check=False)
 
 
+def test_a_node_whose_workers_end_after_the_grace_period_still_gets_the_last_checkpoint_persisted(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's process outlives rank 0's by 8 s after training (a slow teardown), longer than the 3 s grace
+    period. Node 0 waits at the exit barrier anyway, so its wait for the last persist starts when every node's
+    workers are gone (``TierFlushing``), not when its own ended: the last checkpoint is persisted and nothing
+    says it was missed (CI saw the coordinator's node record a false ``tier_persist_missed`` under load)."""
+    steps = 20
+    spec = tier_run(
+        tmp_path, f"/dev/shm/hpce22-late-{tmp_path.name}-{{node}}", 2, 2,
+        (
+            str(TRAIN), "--steps", str(steps), "--step-time", "0.1", "--out", str(tmp_path / "out"),
+            "--fault", "late-exit", "--fault-rank", "1", "--save-delay", "8",
+        ),
+    )  # fmt: skip
+    args = ("--rdzv-timeout", "30", "--grace-period", "3", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    tier = TierSettings(f"/dev/shm/hpce22-late-{tmp_path.name}-{{node}}", persist_every=100)  # at the end
+    run_dir, agents = start_agents(dataclasses.replace(spec, agent_args=args, local_tier=tier.to_text()))
+    codes = [a.wait(timeout=240) for a in agents]
+    log = list(RunDir(run_dir.path).events())
+    assert codes == [0, 0], (codes, log[-5:])
+    assert json.loads((tmp_path / "out" / "final.json").read_text())["sha256"] == reference_digest(steps)
+    assert not [e for e in log if e["event"] == ev.TIER_PERSIST_MISSED]
+    last = [e for e in log if e["event"] == ev.TIER_PERSISTED and e["stop"]]
+    assert [e["checkpoint"] for e in last] == [f"step-{steps:06d}.pt"], last
+    assert not list(Path("/dev/shm").glob(f"hpce22-late-{tmp_path.name}-*"))
+
+
 def test_a_stalled_shared_file_system_costs_the_stop_its_grace_and_no_more(tmp_path: Path) -> None:
     """The persist of the last checkpoint stalls (its file in staging is a FIFO nobody reads: open blocks, as
     on a hung NFS mount), in the background and again at the end of the workers. The earlier checkpoints are

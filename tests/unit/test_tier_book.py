@@ -154,11 +154,12 @@ def test_persist_every_m_th_and_the_last_one_at_the_flush() -> None:
         persisted.append(any(m.persist for _, m in sends(actions, messages.TierComplete)))
         assert i >= 0
     assert persisted == [False, False, True, False]
-    assert b.flush(0) == []
-    actions = b.flush(1)  # every node's workers are gone: persist step 20 now
+    assert b.flush(0) == []  # node 1's workers still run: node 0's wait has not begun
+    actions = b.flush(1)  # every node's workers are gone: persist step 20 now, and every node's wait starts
+    assert sends(actions, messages.TierFlushing) == [(n, messages.TierFlushing("step-20")) for n in (0, 1)]
     assert sorted(m.position for _, m in sends(actions, messages.TierComplete)) == ["0", "1"]
     assert all(m.persist and m.name == "step-20" for _, m in sends(actions, messages.TierComplete))
-    b.have(0, have("step-20", "0", kind="persisted"))
+    assert not sends(b.have(0, have("step-20", "0", kind="persisted")), messages.TierFlushing)  # said once
     commit = b.have(1, have("step-20", "1", kind="persisted"))
     assert sends(commit, messages.TierCommit) == [(0, messages.TierCommit("step-20", 20, size=20))]
     flushed = b.have(0, messages.TierHave("step-20", "", "committed", 20, path="/c/step-20"))
