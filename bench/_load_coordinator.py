@@ -13,8 +13,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from hpcelastic.agent import coordinator, messages
+from hpcelastic.agent.coordinator import PortReservation
 from hpcelastic.agent.job_state import JobState
-from hpcelastic.agent.stores import PortReservation
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
 

@@ -180,9 +180,7 @@ def rendezvous(
     master_addr: str,
     master_port: int,
     restart_count: int,
-    agent_store: bool = False,
 ) -> Event:
-    """A round opens; ``agent_store``: the coordinator's process serves its TCPStore, not rank 0's worker."""
     return _event(
         RENDEZVOUS,
         round=round,
@@ -191,7 +189,6 @@ def rendezvous(
         master_addr=master_addr,
         master_port=master_port,
         restart_count=restart_count,
-        agent_store=agent_store,
     )
 
 

@@ -20,15 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from hpcelastic import events, handoff
-from hpcelastic.agent import liveness, messages, stores
+from hpcelastic.agent import liveness, messages
 from hpcelastic.agent.client import CoordinatorClient, CoordinatorUnreachable
-from hpcelastic.agent.coordinator import Coordinator
+from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.health import GpuHealth
 from hpcelastic.agent.job_state import JobState
 from hpcelastic.agent.lighthouse import replica_state_factory
 from hpcelastic.agent.runtime import RESTART_KILL_GRACE, Inbox, NodeRuntime, Timing, Wake, say
 from hpcelastic.agent.spec import AgentSpec
-from hpcelastic.agent.stores import KEEP_ROUNDS, RoundStores
 from hpcelastic.agent.watchdog import Watchdog
 from hpcelastic.agent.workers import WorkerConfig, WorkerGroup, start_forkserver
 from hpcelastic.env import slurm
@@ -51,7 +50,6 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     """Build this node's runtime, registering every clean-up on ``stack``; an exit code if it ended."""
     ctx = env.context()
     timing = Timing.from_environ(os.environ, nodes=len(ctx.hosts))
-    serve_stores = stores.wanted(os.environ)
     min_nodes = node_range(spec, ctx)[0]
     nproc = worker_count(spec, ctx)
     if cancelled_before_start(spec, ctx, env.environ):
@@ -70,11 +68,11 @@ def bootstrap(env: Environment, spec: AgentSpec, stack: contextlib.ExitStack) ->
     selector.register(wake.r, selectors.EVENT_READ, "wake")
     checkpoint_dir = spec.checkpoint_dir or run_dir.path / DEFAULT_CHECKPOINT_SUBDIR
     tier = local_tier(spec, node_tier, ctx, rdzv, checkpoint_dir, attempt, stack)
-    coordinator: Coordinator | None = None
-    if ctx.is_coordinator:
-        coordinator = host_coordinator(
-            spec, ctx, rdzv, min_nodes, timing, stack, attempt=attempt, serve_stores=serve_stores
-        )
+    coordinator = (
+        host_coordinator(spec, ctx, rdzv, min_nodes, timing, stack, attempt=attempt)
+        if ctx.is_coordinator
+        else None
+    )
     if coordinator is not None:
         export_metrics(spec, ctx, rdzv, env.environ, stack, coordinator.state.live)
     inbox = Inbox(wake)
@@ -319,25 +317,18 @@ def host_coordinator(
     stack: contextlib.ExitStack,
     *,
     attempt: int = 0,
-    serve_stores: bool = True,
 ) -> Coordinator:
-    """Start the job's coordinator on this (group rank 0) node's listening socket; ``serve_stores``: the
-    rounds' TCPStores are served from this process once torch is imported (agent/stores.py)."""
+    """Start the job's coordinator on this (group rank 0) node's listening socket."""
     assert rdzv.listener is not None, "the environment opens the listener on group rank 0"
-    replicas = spec.replica_groups >= 2
-    # torchft's Manager needs the group's store at once: replica groups import torch here, before serving.
-    ports = RoundStores(
-        keep=2 * spec.replica_groups if replicas else KEEP_ROUNDS, import_now=replicas, serve=serve_stores
-    )
-    stack.callback(ports.close)
-    make_state = replica_state_factory(spec, rdzv, stack) if replicas else JobState
+    ports = PortReservation()
+    stack.callback(ports.release)
+    make_state = JobState if spec.replica_groups < 2 else replica_state_factory(spec, rdzv, stack)
     state = make_state(
         hosts=ctx.hosts,
         min_nodes=min_nodes,
         max_restarts=spec.max_restarts,
         master_addr=rdzv.master_addr,
         new_port=ports.new_port,
-        store_served=ports.serves,
         rdzv_timeout=spec.rdzv.timeout,
         stop_timeout=max(RESTART_KILL_GRACE, spec.grace_period),
         round_size=round_size(spec, ctx),

@@ -105,6 +105,33 @@ def _rank(conn: _Conn) -> int:
     return conn.node_rank
 
 
+class PortReservation:
+    """Fresh ``MASTER_PORT`` values without a check-then-use race.
+
+    The port is bound with ``SO_REUSEADDR`` but never listened on, and held until the next round:
+    no other process can take it, while the rank-0 worker's TCPStore (which also sets
+    ``SO_REUSEADDR``) can still bind and listen on it.
+    """
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+
+    def new_port(self) -> int:
+        """Release the previous round's port and reserve a new one."""
+        self.release()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))
+        self._sock = sock
+        return sock.getsockname()[1]
+
+    def release(self) -> None:
+        """Give the current port back."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
 def raise_fd_limit() -> None:
     """Lift the soft open-files limit to the hard one, so 1024+ agents fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

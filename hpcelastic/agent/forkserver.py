@@ -278,13 +278,8 @@ def _shutdown() -> None:
     with contextlib.suppress(BaseException):
         threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
-    files: dict[type, bool] = {}  # issubclass against the io ABCs once per type, not once per object
     for obj in gc.get_objects():  # the script's objects: the server froze its own (main)
-        kind = type(obj)
-        is_file = files.get(kind)
-        if is_file is None:
-            is_file = files[kind] = issubclass(kind, io.IOBase)
-        if is_file:
+        if issubclass(type(obj), io.IOBase):
             with contextlib.suppress(BaseException):
                 if not obj.closed and obj.writable():
                     obj.flush()

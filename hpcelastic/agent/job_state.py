@@ -173,7 +173,6 @@ class JobState:
         master_addr: str,
         new_port: Callable[[], int],
         rdzv_timeout: float,
-        store_served: Callable[[int], bool] = lambda port: False,
         stop_timeout: float = 10.0,
         round_size: int | None = None,
         now: Callable[[], float] = time.time,
@@ -188,8 +187,6 @@ class JobState:
         self.max_restarts = max_restarts
         self.master_addr = master_addr
         self._new_port = new_port
-        #: Whether a port's TCPStore is served by the coordinator's process (agent/stores.py).
-        self._store_served = store_served
         self.now = now
         self.stop_timeout = stop_timeout + STOP_TIMEOUT_EXTRA
         self.deadline = now() + rdzv_timeout
@@ -403,7 +400,6 @@ class JobState:
         ``extra`` are further :class:`messages.Round` fields (replica groups set theirs).
         """
         port = self._new_port()
-        agent_store = self._store_served(port)
         world = sum(self.members[n].nproc for n in nodes)
         hosts = [self.members[n].host for n in nodes]
         actions: list[Action] = [
@@ -415,7 +411,6 @@ class JobState:
                     master_addr=self.master_addr,
                     master_port=port,
                     restart_count=restart_count,
-                    agent_store=agent_store,
                 )
             )
         ]
@@ -431,7 +426,6 @@ class JobState:
                 world_size=world,
                 master_addr=self.master_addr,
                 master_port=port,
-                agent_store=agent_store,
                 **extra,
             )
             actions.append(Send(n, rnd))

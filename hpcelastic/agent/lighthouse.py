@@ -6,8 +6,8 @@ INFO line per quorum from torchft's Rust side, goes to ``<run>/logs/lighthouse.l
 job's output. The child dies with the agent (parent-death signal and end of its standard input).
 
 Every group round gets a fresh ``MASTER_PORT`` with a ``TCPStore`` served from the coordinator's
-agent (:class:`~hpcelastic.agent.stores.RoundStores`): torchft's Manager connects to it as a client, as it
-does to torchrun's agent store, so a script written as torchft's examples runs unchanged.
+agent (:class:`GroupStores`): torchft's Manager connects to it as a client, as it does to torchrun's
+agent store, so a script written as torchft's examples runs unchanged.
 
 If the coordinator's node dies, the lighthouse and the stores go with it: the groups' quorums fail
 after torchft's quorum timeout, the agents lose their coordinator and stop their workers, and the
@@ -83,11 +83,33 @@ class Lighthouse:
             self.proc.wait()
 
 
+class GroupStores:
+    """A fresh ``MASTER_PORT`` per group round, with a TCPStore served on it from this process."""
+
+    def __init__(self, master_addr: str, keep: int) -> None:
+        self.master_addr = master_addr
+        self.keep = keep
+        self._stores: list[Any] = []
+        from torch.distributed import TCPStore
+
+        self._store_type = TCPStore
+
+    def new_port(self) -> int:
+        """Start a store on a free port; the oldest store is dropped beyond ``keep``."""
+        store = self._store_type("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        self._stores.append(store)
+        del self._stores[: -self.keep]
+        return int(store.port)
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
 def replica_state_factory(
     spec: AgentSpec, rdzv: Rendezvous, stack: contextlib.ExitStack
 ) -> Callable[..., JobState]:
     """Builds the coordinator's :class:`~hpcelastic.agent.replicas.ReplicaJobState` from :class:`JobState`'s
-    keywords, after starting the lighthouse (stopped with ``stack``)."""
+    keywords, after starting the lighthouse and the group stores (stopped with ``stack``)."""
     from hpcelastic.agent.replicas import ReplicaJobState, check_groups
 
     def make(**kw: Any) -> JobState:
@@ -98,6 +120,10 @@ def replica_state_factory(
             rdzv.master_addr, spec.min_replica_groups, rdzv.run_dir.path / "logs" / "lighthouse.log"
         )
         stack.callback(lighthouse.close)
+        # torch is imported here, before the coordinator serves: importing it in a round would stall it.
+        stores = GroupStores(rdzv.master_addr, keep=2 * spec.replica_groups)
+        stack.callback(stores.close)
+        kw["new_port"] = stores.new_port
         return ReplicaJobState(
             replica_groups=spec.replica_groups,
             min_replica_groups=spec.min_replica_groups,

@@ -512,8 +512,6 @@ class Round(Message):
     world_size: int
     master_addr: str
     master_port: int
-    #: The store at ``master_port`` is served by the coordinator's process, not by rank 0's worker.
-    agent_store: bool = False
     #: torchft replica groups (``--replica-groups``): this node's group, the number of groups, the lighthouse.
     replica_group: int = -1
     num_replica_groups: int = 0
@@ -521,16 +519,11 @@ class Round(Message):
 
     @classmethod
     def from_wire(cls, d: Mapping[str, Any]) -> Round:
-        others = ("master_addr", "lighthouse", "agent_store")
+        texts = ("master_addr", "lighthouse")
         ints = {
-            f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name not in others and f.name in d
+            f.name: int(d[f.name]) for f in dataclasses.fields(cls) if f.name not in texts and f.name in d
         }
-        return cls(
-            master_addr=str(d["master_addr"]),
-            lighthouse=str(d.get("lighthouse", "")),
-            agent_store=bool(d.get("agent_store", False)),
-            **ints,
-        )
+        return cls(master_addr=str(d["master_addr"]), lighthouse=str(d.get("lighthouse", "")), **ints)
 
 
 @dataclass(frozen=True)

@@ -232,7 +232,7 @@ def worker_env(
         TORCHELASTIC_RESTART_COUNT=str(rnd.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(rnd.max_restarts),
         TORCHELASTIC_RUN_ID=cfg.run_id,
-        TORCHELASTIC_USE_AGENT_STORE=str(rnd.agent_store),
+        TORCHELASTIC_USE_AGENT_STORE="False",
         TORCHELASTIC_ERROR_FILE=str(error_file),
         HPCELASTIC_RUN_DIR=str(cfg.run_dir.path),
         HPCELASTIC_ATTEMPT=str(cfg.attempt),
@@ -258,7 +258,7 @@ def worker_env(
     if share and "OMP_NUM_THREADS" not in cfg.environ:
         env["OMP_NUM_THREADS"] = str(len(share))
     if rnd.num_replica_groups:
-        # torchft (hpcelastic.agent.replicas): the group's store is always the coordinator's agent's.
+        # torchft (hpcelastic.agent.replicas): the group's store is served by the coordinator's agent.
         env.update(
             REPLICA_GROUP_ID=str(rnd.replica_group),
             NUM_REPLICA_GROUPS=str(rnd.num_replica_groups),

@@ -72,7 +72,7 @@ RANK_SHARE = 0.8
 INPUT_SHARE = 0.5
 INPUT_MARGIN = 0.25
 #: A node's link round trip rose this many times (others: less than :data:`RTT_CALM`), by at least
-#: :data:`RTT_FLOOR_S` (a rise below it is a loaded kernel's jitter: official CI saw 0.4 -> 0.7 ms).
+#: :data:`RTT_FLOOR_S`.
 RTT_RISE = 2.0
 RTT_CALM = 1.5
 RTT_FLOOR_S = 0.0005
@@ -342,8 +342,7 @@ def _network(ev: Evidence) -> tuple[str, float, str] | None:
         if ref is not None and ref > 0:
             rises[node] = (rtt / ref, rtt - ref)
     up = [n for n, (rise, delta) in rises.items() if rise >= RTT_RISE and delta >= RTT_FLOOR_S]
-    rose = [n for n, (rise, delta) in rises.items() if rise >= RTT_CALM and delta >= RTT_FLOOR_S]
-    if len(up) != 1 or any(n != up[0] for n in rose):  # another link rose too: no one link to name
+    if len(up) != 1 or any(rise >= RTT_CALM for n, (rise, _) in rises.items() if n != up[0]):
         return None
     node = up[0]
     rise, delta = rises[node]

@@ -26,7 +26,6 @@ from hpcelastic.agent import messages
 from hpcelastic.agent.client import CoordinatorClient
 from hpcelastic.agent.coordinator import Coordinator
 from hpcelastic.agent.job_state import JobState
-from hpcelastic.agent.stores import VARIABLE as AGENT_STORE
 from hpcelastic.rundir import RunDir
 
 STRANGERS = 1000
@@ -91,10 +90,7 @@ def _enough_descriptors() -> Iterator[None]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_thousand_strangers_during_a_job(local_job, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The bound is on what strangers cost the coordinator: without torch imported for the rounds' stores
-    # (agent/stores.py: about 210 MB, the same with or without strangers).
-    monkeypatch.setenv(AGENT_STORE, "0")
+def test_a_thousand_strangers_during_a_job(local_job) -> None:
     job = local_job(nodes="2", nproc=1, train_args=("--step-time", "0.5"))
     job.wait_until("rendezvous", lambda: bool(job.events("rendezvous")))
     endpoint = job.agents[0].args[job.agents[0].args.index("--rdzv-endpoint") + 1]

@@ -35,9 +35,8 @@ import psutil
 import pytest
 
 from hpcelastic.agent import protocol
-from hpcelastic.agent.coordinator import MAX_PREAUTH_FRAME, Coordinator
+from hpcelastic.agent.coordinator import MAX_PREAUTH_FRAME, Coordinator, PortReservation
 from hpcelastic.agent.job_state import JobState
-from hpcelastic.agent.stores import PortReservation
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
 from tests.faults.localjob import EXAMPLE, REPO

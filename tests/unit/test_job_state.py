@@ -94,27 +94,6 @@ def test_failure_stops_all_then_restarts_everywhere_with_new_count_and_port() ->
     assert events(acts, "restarting")[0]["restart_count"] == 1
 
 
-def test_a_round_whose_store_the_coordinator_serves_says_so_to_every_node_and_in_the_record() -> None:
-    ports = itertools.count(40000)
-    st = JobState(
-        hosts=["n0", "n1"],
-        min_nodes=2,
-        max_restarts=2,
-        master_addr="n0",
-        new_port=lambda: next(ports),
-        store_served=lambda port: port > 40000,  # torch was imported after the first round went out
-        rdzv_timeout=60,
-        now=Clock(),
-    )
-    acts = join_all(st)
-    assert [r.agent_store for r in sends(acts, "round").values()] == [False, False]
-    assert events(acts, "rendezvous")[0]["agent_store"] is False
-    st.worker_failed(1, 0, [failure(3, 5.0)])
-    acts = stop_all(st, [0, 1], 0)
-    assert [r.agent_store for r in sends(acts, "round").values()] == [True, True]
-    assert events(acts, "rendezvous")[0]["agent_store"] is True
-
-
 def test_root_cause_is_the_earliest_failure_job_wide() -> None:
     st = make(2)
     join_all(st)

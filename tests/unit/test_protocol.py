@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from hpcelastic.agent import protocol
-from hpcelastic.agent.coordinator import Coordinator
+from hpcelastic.agent.coordinator import Coordinator, PortReservation
 from hpcelastic.agent.job_state import JobState
-from hpcelastic.agent.stores import PortReservation
 from hpcelastic.env.base import listen
 from hpcelastic.rundir import RunDir
 

@@ -110,12 +110,6 @@ def test_network_when_no_rank_is_late_but_one_nodes_round_trip_rose() -> None:
         verdict(run, rtt={"n0": 0.006, "n1": 0.006}, baseline_rtt={"n0": 0.0004, "n1": 0.0004}).node is None
     )
     assert verdict(run).kind is SlowKind.JOB_WIDE
-    # another node's sub-millisecond round trip jittering up by 0.3 ms (a loaded kernel) hides nothing
-    jitter = {"n0": 0.0007, "n1": 0.103}
-    assert verdict(run, rtt=jitter, baseline_rtt={"n0": 0.0004, "n1": 0.0004}).node == "n1"
-    # ... but a real rise of the other link too leaves nothing to name
-    both = {"n0": 0.0014, "n1": 0.103}
-    assert verdict(run, rtt=both, baseline_rtt={"n0": 0.0004, "n1": 0.0004}).node is None
 
 
 def test_network_when_the_slow_links_node_arrives_late_because_results_reach_it_last() -> None:

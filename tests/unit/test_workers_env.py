@@ -112,11 +112,6 @@ def test_worker_env_has_the_full_torchrun_contract(tmp_path: Path) -> None:
         "OMPI_COMM_WORLD_RANK" not in env and "MPI_LOCALRANKID" not in env and "HPCELASTIC_SECRET" not in env
     )
     assert "CUDA_VISIBLE_DEVICES" not in env and "HPCELASTIC_RESUME_FROM" not in env
-    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0's worker serves the store
-    served = worker_env(
-        config(tmp_path), dataclasses.replace(ROUND, agent_store=True), 1, tmp_path / "e.json"
-    )
-    assert served["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # torch's spelling: every rank is a client
 
 
 def test_one_gpu_per_worker_and_resume_path(tmp_path: Path) -> None:
